@@ -1,0 +1,372 @@
+"""The input contract of ``attn_dist`` (SPEC §2) and the CUDA kernel's coverage.
+
+Every shape, dtype and parameter check lives here, and only here. The checks
+look at ``.shape`` and ``.dtype`` only, so they work on concrete arrays, on
+``ShapedArray`` avals and on tracers alike (they run at trace time).
+
+Errors are ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape
+or value); each message starts with ``attn_dist:``, names the argument, and
+gives the expected and the actual value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import jax.numpy as jnp
+
+#: Heads per output group: ``out[g]`` sums heads ``64g .. min(64g+64, H)-1``.
+HEADS_PER_GROUP = 64
+
+#: The name under which the CUDA extension registers its XLA FFI handler.
+FFI_TARGET = "jax_attn_dist_fwd"
+
+#: ``q``/``k`` dtypes the jnp path accepts. The CUDA kernel takes bfloat16 only.
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+#: Feature sizes the CUDA kernel is built for (MLA: 512 latent + 64 rope).
+KERNEL_HEAD_DIMS = (512, 576)
+
+LSE_BASES = ("2", "e")
+IMPLEMENTATIONS = (None, "cuda", "xla")
+
+_INT32_MIN = -(2**31)
+_INT32_MAX = 2**31 - 1
+
+
+def num_groups(num_heads: int) -> int:
+    """G = ceil(H / 64)."""
+    return -(-num_heads // HEADS_PER_GROUP)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The static description of one call, in canonical (batched) terms.
+
+    ``batched`` says whether the caller's arrays carry the leading batch
+    dimension; ``B`` is 1 when they do not.
+    """
+
+    batched: bool
+    B: int
+    S: int
+    H: int
+    D: int
+    N: int
+    HK: int
+    T: int
+    dtype: Any  # numpy dtype of q and k
+
+    @property
+    def G(self) -> int:
+        return num_groups(self.H)
+
+    @property
+    def out_shape(self) -> Tuple[int, ...]:
+        """The shape the caller gets back: ``[B?, G, S, T]``."""
+        if self.batched:
+            return (self.B, self.G, self.S, self.T)
+        return (self.G, self.S, self.T)
+
+    @property
+    def canonical_out_shape(self) -> Tuple[int, int, int, int]:
+        return (self.B, self.G, self.S, self.T)
+
+    @property
+    def is_empty(self) -> bool:
+        """No output element needs computing, or every slot is invalid (N = 0):
+        the result is all zeros."""
+        return self.B == 0 or self.S == 0 or self.T == 0 or self.N == 0
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _dtype_name(dt) -> str:
+    return jnp.dtype(dt).name
+
+
+def _check_array(name: str, x: Any) -> None:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(
+            f"attn_dist: `{name}` must be an array (jax or numpy), got {type(x).__name__}"
+        )
+
+
+# ----------------------------------------------------------------------------
+# static parameters
+# ----------------------------------------------------------------------------
+
+
+def check_sm_scale(sm_scale: Any) -> float:
+    if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(
+        sm_scale, (numbers.Real, np.floating, np.integer)
+    ):
+        raise TypeError(
+            "attn_dist: `sm_scale` must be a Python float (static; the scale the "
+            f"forward used), got {type(sm_scale).__name__}: {sm_scale!r}"
+        )
+    value = float(sm_scale)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(
+            f"attn_dist: `sm_scale` must be a finite positive float, got {value!r}"
+        )
+    return value
+
+
+def check_causal(causal: Any) -> bool:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(
+            f"attn_dist: `causal` must be a bool, got {type(causal).__name__}: {causal!r}"
+        )
+    return bool(causal)
+
+
+def check_k_stride(k_stride: Any) -> int:
+    if isinstance(k_stride, (bool, np.bool_)) or not isinstance(
+        k_stride, (int, np.integer)
+    ):
+        raise TypeError(
+            "attn_dist: `k_stride` must be a Python int >= 1 (static), got "
+            f"{type(k_stride).__name__}: {k_stride!r}"
+        )
+    value = int(k_stride)
+    if not (1 <= value <= _INT32_MAX):
+        raise ValueError(f"attn_dist: `k_stride` must be an int >= 1, got {value}")
+    return value
+
+
+def check_lse_base(lse_base: Any) -> str:
+    if not isinstance(lse_base, str) or lse_base not in LSE_BASES:
+        raise ValueError(
+            "attn_dist: `lse_base` must be \"2\" (lse = log2 sum exp2, the default) "
+            f"or \"e\" (natural log), got {lse_base!r}"
+        )
+    return lse_base
+
+
+def check_implementation(implementation: Any) -> Optional[str]:
+    if implementation is not None and (
+        not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS
+    ):
+        raise ValueError(
+            "attn_dist: `implementation` must be None (the CUDA kernel where it "
+            "applies, else XLA), \"cuda\" or \"xla\", got "
+            f"{implementation!r}"
+        )
+    return implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """The static parameters, checked and normalised to plain Python values."""
+
+    sm_scale: float
+    causal: bool
+    k_stride: int
+    lse_base: str
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+def check_params(*, sm_scale, causal, k_stride, lse_base) -> Params:
+    return Params(
+        sm_scale=check_sm_scale(sm_scale),
+        causal=check_causal(causal),
+        k_stride=check_k_stride(k_stride),
+        lse_base=check_lse_base(lse_base),
+    )
+
+
+# ----------------------------------------------------------------------------
+# arrays
+# ----------------------------------------------------------------------------
+
+
+def check_problem(q, k, indices, lse) -> Problem:
+    """Validates the four array arguments (user form: with or without the
+    leading batch dimension) and returns the problem's sizes."""
+    for name, x in (("q", q), ("k", k), ("indices", indices), ("lse", lse)):
+        _check_array(name, x)
+
+    if q.ndim not in (3, 4):
+        raise ValueError(
+            "attn_dist: `q` must have rank 3 [S, H, D] or rank 4 [B, S, H, D], "
+            f"got rank {q.ndim} with shape {_fmt(q.shape)}"
+        )
+    batched = q.ndim == 4
+    lead = "B, " if batched else ""
+    if batched:
+        B, S, H, D = (int(d) for d in q.shape)
+    else:
+        B = 1
+        S, H, D = (int(d) for d in q.shape)
+
+    want_rank = 4 if batched else 3
+    for name, x, names in (
+        ("k", k, "N, HK, D"),
+        ("indices", indices, "S, HK, T"),
+        ("lse", lse, "S, H"),
+    ):
+        r = want_rank - 1 if name == "lse" else want_rank
+        if x.ndim != r:
+            form = "batched" if batched else "unbatched"
+            raise ValueError(
+                f"attn_dist: `{name}` must have rank {r} [{lead}{names}] because `q` "
+                f"is {form} (shape {_fmt(q.shape)}), got rank {x.ndim} with shape "
+                f"{_fmt(x.shape)}"
+            )
+
+    # dtypes
+    qdt = jnp.dtype(q.dtype)
+    if qdt not in SUPPORTED_DTYPES:
+        raise TypeError(
+            "attn_dist: `q` must have dtype bfloat16 (float16/float32 accepted on "
+            f"the XLA path), got {_dtype_name(qdt)}"
+        )
+    if jnp.dtype(k.dtype) != qdt:
+        raise TypeError(
+            f"attn_dist: `k` must have the dtype of `q` ({_dtype_name(qdt)}), got "
+            f"{_dtype_name(k.dtype)}"
+        )
+    if jnp.dtype(indices.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(
+            "attn_dist: `indices` must have dtype int32, got "
+            f"{_dtype_name(indices.dtype)} (use indices.astype(jnp.int32))"
+        )
+    if jnp.dtype(lse.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(
+            f"attn_dist: `lse` must have dtype float32, got {_dtype_name(lse.dtype)}"
+        )
+
+    # sizes
+    kshape = tuple(int(d) for d in k.shape)
+    if batched:
+        kB, N, HK, kD = kshape
+    else:
+        N, HK, kD = kshape
+        kB = B
+    if H < 1:
+        raise ValueError(
+            f"attn_dist: `q` must have at least one head (H >= 1), got shape "
+            f"{_fmt(q.shape)}"
+        )
+    if HK < 1 or H % HK != 0:
+        raise ValueError(
+            f"attn_dist: the number of kv heads HK of `k` must be >= 1 and divide "
+            f"H = {H} (head h uses kv head h // (H // HK)), got HK = {HK} "
+            f"(k shape {_fmt(k.shape)})"
+        )
+    if batched and kB != B:
+        raise ValueError(
+            f"attn_dist: `k` must have shape [B, N, HK, D] with B = {B} and D = {D} "
+            f"(from `q`), got {_fmt(k.shape)}"
+        )
+    if kD != D:
+        raise ValueError(
+            f"attn_dist: `k` must have shape [{lead}N, HK, D] with D = {D} (from "
+            f"`q`), got {_fmt(k.shape)}"
+        )
+
+    ishape = tuple(int(d) for d in indices.shape)
+    T = ishape[-1]
+    want_i = ((B,) if batched else ()) + (S, HK, T)
+    if ishape != want_i:
+        raise ValueError(
+            f"attn_dist: `indices` must have shape [{lead}S, HK, T] = {_fmt(want_i)} "
+            f"(S, B from `q`, HK from `k`), got {_fmt(ishape)}"
+        )
+    want_l = ((B,) if batched else ()) + (S, H)
+    lshape = tuple(int(d) for d in lse.shape)
+    if lshape != want_l:
+        raise ValueError(
+            f"attn_dist: `lse` must have shape [{lead}S, H] = {_fmt(want_l)}, got "
+            f"{_fmt(lshape)}"
+        )
+
+    return Problem(batched=batched, B=B, S=S, H=H, D=D, N=N, HK=HK, T=T, dtype=qdt)
+
+
+def check_q_start_index(q_start_index: Any, problem: Problem):
+    """Returns either a Python int (checked to fit int32) or the array as given
+    (checked: integer dtype, shape [] or, when batched, [B]). The caller casts
+    arrays to int32."""
+    if isinstance(q_start_index, (bool, np.bool_)):
+        raise TypeError("attn_dist: `q_start_index` must be an int or an int32 array, got a bool")
+    if isinstance(q_start_index, (int, np.integer)) and not hasattr(q_start_index, "shape"):
+        value = int(q_start_index)
+        if not (_INT32_MIN <= value <= _INT32_MAX):
+            raise ValueError(
+                f"attn_dist: `q_start_index` must fit in int32, got {value}"
+            )
+        return value
+    if not (hasattr(q_start_index, "shape") and hasattr(q_start_index, "dtype")):
+        raise TypeError(
+            "attn_dist: `q_start_index` must be a Python int or an integer array of "
+            f"shape [] or [B], got {type(q_start_index).__name__}: {q_start_index!r}"
+        )
+    dt = jnp.dtype(q_start_index.dtype)
+    if not jnp.issubdtype(dt, jnp.integer):
+        raise TypeError(
+            "attn_dist: `q_start_index` must have an integer dtype (it is cast to "
+            f"int32), got {_dtype_name(dt)}"
+        )
+    shape = tuple(int(d) for d in q_start_index.shape)
+    if shape == ():
+        return q_start_index
+    if not problem.batched:
+        raise ValueError(
+            "attn_dist: `q_start_index` must be a scalar (shape []) when the inputs "
+            f"are unbatched, got shape {_fmt(shape)}"
+        )
+    if shape != (problem.B,):
+        raise ValueError(
+            f"attn_dist: `q_start_index` must have shape [] or [B] = [{problem.B}], "
+            f"got {_fmt(shape)}"
+        )
+    return q_start_index
+
+
+def check_canonical(q, k, indices, lse, q_start) -> Problem:
+    """Validates the operands of the logical primitive: q [B,S,H,D],
+    k [B,N,HK,D], indices [B,S,HK,T] int32, lse [B,S,H] f32, q_start [B] int32."""
+    if q.ndim != 4:
+        raise ValueError(
+            f"attn_dist primitive: `q` must be canonical [B, S, H, D], got {_fmt(q.shape)}"
+        )
+    problem = check_problem(q, k, indices, lse)
+    if jnp.dtype(q_start.dtype) != jnp.dtype(jnp.int32) or tuple(q_start.shape) != (problem.B,):
+        raise ValueError(
+            f"attn_dist primitive: `q_start` must be int32 [B] = [{problem.B}], got "
+            f"{_dtype_name(q_start.dtype)} {_fmt(q_start.shape)}"
+        )
+    return problem
+
+
+# ----------------------------------------------------------------------------
+# the CUDA kernel's coverage
+# ----------------------------------------------------------------------------
+
+
+def kernel_supports(problem: Problem) -> Tuple[bool, str]:
+    """Whether the CUDA kernel serves this problem, and if not, why.
+
+    The kernel serves bfloat16 q/k, HK = 1 (MLA's MQA form), D in {512, 576},
+    any H >= 1, any S, any T, and the batch natively. Empty problems (B, S, T
+    or N zero) never reach the kernel: ``attn_dist`` returns zeros for them.
+    """
+    if problem.dtype != jnp.dtype(jnp.bfloat16):
+        return False, f"the CUDA kernel takes bfloat16 q/k, got {_dtype_name(problem.dtype)}"
+    if problem.HK != 1:
+        return False, f"the CUDA kernel takes one kv head (HK = 1), got HK = {problem.HK}"
+    if problem.D not in KERNEL_HEAD_DIMS:
+        return False, (
+            f"the CUDA kernel takes head dim D in {list(KERNEL_HEAD_DIMS)}, got D = {problem.D}"
+        )
+    return True, "supported"
