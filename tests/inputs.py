@@ -1,0 +1,51 @@
+"""Seeded random inputs for the tests (CPU and GPU). Not a test file."""
+
+from __future__ import annotations
+
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+
+import oracle
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+
+
+def seed_of(*parts) -> int:
+    """A stable seed from the test's parameters (failures reproduce)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def make_inputs(
+    seed, *, S, H, D, N, T, B=None, HK=1, dtype=jnp.bfloat16, causal=True, k_stride=1,
+    q_start_index=None, lse_base="2", sm_scale=None, lse_noise=0.0, index_low=-3, index_high=None,
+):
+    """Random q/k/indices and an lse consistent with them.
+
+    Returns (q, k, indices, lse, kwargs) with jax arrays and attn_dist kwargs.
+    ``q_start_index``: None draws a random int (possibly negative) that leaves
+    a mix of visible and invisible keys; "batch" draws a [B] int32 array.
+    ``lse`` is the float64 oracle's exact LSE rounded to float32, plus uniform
+    noise of amplitude ``lse_noise`` (then rows no longer sum to 1).
+    """
+    rng = np.random.default_rng(seed)
+    Bc = B if B is not None else 1
+    lead = (B,) if B is not None else ()
+    sm_scale = float(D ** -0.5 * rng.uniform(0.5, 2.0)) if sm_scale is None else sm_scale
+    q = jnp.asarray(rng.standard_normal(lead + (S, H, D)).astype(np.float32), dtype)
+    k = jnp.asarray(rng.standard_normal(lead + (N, HK, D)).astype(np.float32), dtype)
+    hi = N + 3 if index_high is None else index_high
+    indices = jnp.asarray(rng.integers(index_low, hi, lead + (S, HK, T)), jnp.int32)
+    span = max(N * k_stride, 1)
+    if q_start_index is None:
+        q_start_index = int(rng.integers(-4, span))
+    elif isinstance(q_start_index, str) and q_start_index == "batch":
+        q_start_index = jnp.asarray(rng.integers(-4, span, (Bc,)), jnp.int32)
+    kwargs = dict(sm_scale=sm_scale, causal=causal, q_start_index=q_start_index, k_stride=k_stride, lse_base=lse_base)
+    lse = oracle.exact_lse(q, k, indices, **kwargs)
+    if lse_noise:
+        lse = lse + rng.uniform(-lse_noise, lse_noise, lse.shape)
+    lse = jnp.asarray(lse.astype(np.float32))
+    return q, k, indices, lse, kwargs

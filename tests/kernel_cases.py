@@ -1,0 +1,155 @@
+"""Kernel-level GPU cases: canonical inputs, a poisoned output, the float64 oracle.
+
+Not a test file: `test_kernel_gpu.py` runs these under pytest, and
+`tests/sanitizer_run.py` runs a few under compute-sanitizer.
+
+The kernel is called through the test-only FFI target `jax_attn_dist_fwd_into`,
+whose output is aliased to an operand that we fill with NaN: an element the
+kernel does not write stays NaN and fails the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import oracle
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    S: int
+    H: int
+    T: int
+    D: int = 576
+    N: int = 1000
+    B: int | None = None  # None: unbatched
+    causal: bool = True
+    k_stride: int = 1
+    per_batch_q_start: bool = False
+    lse_base: str = "2"
+    invalid_fraction: float = 0.3
+    nonfinite_lse: bool = True
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        b = "none" if self.B is None else self.B
+        return (f"S{self.S}-H{self.H}-T{self.T}-D{self.D}-N{self.N}-B{b}-c{int(self.causal)}"
+                f"-ks{self.k_stride}-pb{int(self.per_batch_q_start)}-lse{self.lse_base}"
+                f"-inv{int(self.invalid_fraction * 100)}")
+
+
+def make_case_inputs(case: Case):
+    """numpy canonical inputs (batched, B >= 1) + attn_dist kwargs."""
+    rng = np.random.default_rng(case.seed)
+    B = 1 if case.B is None else case.B
+    S, H, T, D, N, ks = case.S, case.H, case.T, case.D, case.N, case.k_stride
+    sm_scale = float(D**-0.5 * rng.uniform(0.5, 2.0))
+    q = rng.standard_normal((B, S, H, D)).astype(np.float32).astype(jnp.bfloat16)
+    k = rng.standard_normal((B, N, 1, D)).astype(np.float32).astype(jnp.bfloat16)
+    if case.per_batch_q_start:
+        q_start = rng.integers(-3, N * ks, (B,)).astype(np.int32)
+    else:
+        q_start = np.full((B,), rng.integers(-3, N * ks), np.int32)
+
+    # Valid slots: uniform over the visible keys, with replacement (duplicates).
+    s = np.arange(S)
+    limit = (q_start[:, None].astype(np.int64) + s[None] + 1 - ks) // ks  # [B, S], floor
+    visible = np.minimum(limit, N - 1) if case.causal else np.full((B, S), N - 1)
+    u = rng.random((B, S, 1, T))
+    idx = np.floor(u * (np.maximum(visible, 0)[:, :, None, None] + 1)).astype(np.int64)
+    # Invalid slots: every kind of bad index.
+    bad_pool = np.array([INT32_MIN, -1, -7, N, N + 1, INT32_MAX, INT32_MAX - 5], np.int64)
+    bad = bad_pool[rng.integers(0, len(bad_pool), idx.shape)]
+    if case.causal:  # also keys that exist but are not visible yet
+        future = np.clip(limit[:, :, None, None] + 1 + rng.integers(0, 5, idx.shape), 0, N - 1)
+        bad = np.where((rng.random(idx.shape) < 0.3) & (future > limit[:, :, None, None]), future, bad)
+    make_bad = rng.random(idx.shape) < case.invalid_fraction
+    make_bad |= (visible < 0)[:, :, None, None]  # nothing visible: every slot invalid
+    indices = np.where(make_bad, bad, idx).astype(np.int32)
+
+    kwargs = dict(sm_scale=sm_scale, causal=case.causal, q_start_index=q_start, k_stride=ks,
+                  lse_base=case.lse_base)
+    lse = oracle.exact_lse(q, k, indices, **kwargs)
+    if case.nonfinite_lse:  # +inf, -inf and NaN heads give 0, never NaN
+        flat = lse.reshape(-1)
+        pick = rng.choice(flat.size, size=min(3, flat.size), replace=False)
+        flat[pick] = np.array([np.inf, -np.inf, np.nan])[: len(pick)]
+    lse = lse.astype(np.float32)
+    return (q, k, indices, lse, q_start), kwargs
+
+
+def poisoned_kernel_call(q, k, indices, lse, q_start, *, sm_scale, causal, k_stride, lse_base, **_):
+    """The CUDA kernel on canonical operands, writing into a NaN-filled buffer."""
+    B, S, H, _D = q.shape
+    T = indices.shape[-1]
+    shape = (B, math.ceil(H / 64), S, T)
+    poison = jnp.full(shape, jnp.nan, jnp.float32)
+    call = jax.ffi.ffi_call("jax_attn_dist_fwd_into", jax.ShapeDtypeStruct(shape, jnp.float32),
+                            input_output_aliases={5: 0})
+    return call(q, k, indices, lse, q_start, poison, sm_scale=np.float32(sm_scale), causal=bool(causal),
+                k_stride=np.int32(k_stride), lse_base_e=lse_base == "e")
+
+
+_jitted = jax.jit(poisoned_kernel_call, static_argnames=("sm_scale", "causal", "k_stride", "lse_base"))
+
+
+def run_kernel(inputs, kwargs):
+    q, k, indices, lse, q_start = inputs
+    kw = {key: kwargs[key] for key in ("sm_scale", "causal", "k_stride", "lse_base")}
+    return np.asarray(_jitted(jnp.asarray(q), jnp.asarray(k), jnp.asarray(indices), jnp.asarray(lse),
+                              jnp.asarray(q_start), **kw))
+
+
+def check_case(case: Case, tol: float = 1e-4):
+    """Run the kernel on a case; assert SPEC §3 against the float64 oracle,
+    every element written (finite), exact zeros at invalid slots."""
+    inputs, kwargs = make_case_inputs(case)
+    out = run_kernel(inputs, kwargs)
+    q, k, indices, lse, q_start = inputs
+    ref = oracle.attn_dist_oracle(q, k, indices, lse, **kwargs)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), f"{case.name}: {np.size(out) - np.isfinite(out).sum()} unwritten/non-finite elements"
+    valid = oracle.valid_mask(indices, case.N, causal=case.causal, q_start_index=q_start, k_stride=case.k_stride)
+    invalid = np.broadcast_to(~valid[:, None, :, 0, :], out.shape)
+    assert (out[invalid] == 0).all(), f"{case.name}: nonzero output at invalid slots"
+    if np.abs(ref).max() > 0:
+        rel, mx = oracle.spec_errors(out, ref)
+        assert rel <= tol and mx <= tol, f"{case.name}: rel {rel:.2e}, max {mx:.2e}"
+    return out
+
+
+def sweep_cases(count: int = 64, seed: int = 2026):
+    """Random configurations crossing every axis of the kernel issue's matrix;
+    the first ones cover each listed value of each axis at least once."""
+    rng = np.random.default_rng(seed)
+    axes = dict(
+        T=[1, 63, 64, 65, 127, 200, 2048, 2049],
+        H=[1, 16, 32, 64, 96, 128],
+        D=[512, 576],
+        B=[None, 1, 3],
+        causal=[True, False],
+        per_batch_q_start=[False, True],
+        k_stride=[1, 4],
+        lse_base=["2", "e"],
+        invalid_fraction=[0.0, 0.3, 1.0],
+    )
+    cases = []
+    for i in range(count):
+        choice = {name: values[i % len(values)] if i < 8 else values[rng.integers(len(values))]
+                  for name, values in axes.items()}
+        if choice["B"] is None:
+            choice["per_batch_q_start"] = False
+        big = choice["T"] >= 2048
+        S = int(rng.integers(1, 6 if big else 24))
+        N = int(rng.integers(1, 4000))
+        cases.append(Case(S=S, N=N, seed=1000 + i, **choice))
+    return cases
