@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
+#   tools/gpu_check.sh [build] [test] [demo] [bench] [bench-quick] [sanitize] [sass]
+# Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
+# wheel in .whl/ (no package index there); everything else is on the machine.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test demo bench)
+status=()
+run() {  # name, command...
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  status+=("$name rc=$rc $((SECONDS - t0))s")
+  echo "== $name rc=$rc ($((SECONDS - t0))s)"; tail -n 25 "$OUT/$name.log"
+  return $rc
+}
+for step in "${steps[@]}"; do
+  case $step in
+    build)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+      export PYTHONPATH=/tmp/site
+      { nvidia-smi; nvcc --version; python3 -c "import jax; print(jax.__version__, jax.devices())"; } > "$OUT/env.log" 2>&1
+      run build python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
+      grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | sort | uniq -c ;;
+    test) run test python3 -m pytest -q -x -rs tests --run-large -p no:cacheprovider ;;
+    demo) run demo python3 -m jax_attn_dist ;;
+    bench) run bench python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
+    bench-quick) run bench python3 benchmarks/bench.py --shapes v32-h128 v32-h64 --json "$OUT/bench.json" ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck initcheck; do
+        run "sanitize-$tool" compute-sanitizer --tool "$tool" --kernel-name regex:attn_dist --error-exitcode 9 \
+          python3 tests/sanitizer_run.py
+      done ;;
+    sass)
+      so=$(python3 -c "import jax_attn_dist._cuda as m; print(m.__file__)")
+      cuobjdump -sass "$so" | grep -c HGMMA > "$OUT/sass.log" 2>&1; cat "$OUT/sass.log" ;;
+  esac
+done
+echo "== summary"; printf '%s\n' "${status[@]}"
