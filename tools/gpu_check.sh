@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [demo] [bench] [bench-quick] [sanitize] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [demo] [bench] [bench-quick] [sanitize] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 set -uo pipefail
@@ -27,7 +27,8 @@ for step in "${steps[@]}"; do
       { nvidia-smi; nvcc --version; python3 -c "import jax; print(jax.__version__, jax.devices())"; } > "$OUT/env.log" 2>&1
       run build python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
       grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | sort | uniq -c ;;
-    test) run test python3 -m pytest -q -x -rs tests --run-large -p no:cacheprovider ;;
+    test) run test python3 -m pytest -q -rs tests/test_kernel_gpu.py tests/test_gpu.py --run-large -p no:cacheprovider ;;
+    test-all) run test-all python3 -m pytest -q -rs tests -p no:cacheprovider ;;
     demo) run demo python3 -m jax_attn_dist ;;
     bench) run bench python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
     bench-quick) run bench python3 benchmarks/bench.py --shapes v32-h128 v32-h64 --json "$OUT/bench.json" ;;
