@@ -21,7 +21,7 @@ def to_f64(x) -> np.ndarray:
 
 
 def _prepare(q, k, indices, q_start_index):
-    q, k = to_f64(q), to_f64(k)
+    q, k = to_f64(q), np.asarray(k)  # k stays in its dtype: only gathered rows are widened
     idx = np.asarray(indices).astype(np.int64)
     batched = q.ndim == 4
     if not batched:
@@ -50,9 +50,9 @@ def _logits(q, k, idx, valid, sm_scale, b, s0, s1):
     H = q.shape[2]
     ic = np.clip(idx[b, s0:s1], 0, max(N - 1, 0))  # [s, HK, T]
     kh = np.arange(HK)[None, :, None]
-    kg = k[b][ic, kh]  # [s, HK, T, D]
+    kg = to_f64(k[b][ic, kh])  # [s, HK, T, D]
     qb = q[b, s0:s1].reshape(s1 - s0, HK, H // HK, D)
-    z = sm_scale * np.einsum("skhd,sktd->skht", qb, kg)
+    z = sm_scale * np.matmul(qb, kg.swapaxes(-1, -2))  # [s, HK, Hg, T]
     return np.where(valid[b, s0:s1][:, :, None, :], z, 0.0)
 
 

@@ -93,6 +93,14 @@ def test_empty_problem_binds_nothing():
 # lowering and implementation selection
 # ----------------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def _cross_lowering(monkeypatch):
+    """These tests lower for CUDA as a CPU-only process does (e.g. to export):
+    pretend there is no local CUDA backend, so that a GPU machine without the
+    built extension behaves like this one."""
+    monkeypatch.setattr(primitive_mod, "_local_cuda_backend", lambda: False)
+
+
 _CALL = re.compile(r"stablehlo\.custom_call @jax_attn_dist_fwd\(([^)]*)\)(.*)")
 
 
@@ -175,7 +183,8 @@ def test_kernel_supports():
 
 
 def test_implementation_cuda_without_kernel_raises():
-    assert not kernel_available()  # this CPU test environment has no built extension
+    if kernel_available():
+        pytest.skip("the extension is built here")
     args = zeros_like_specs(specs())
     with pytest.raises(RuntimeError, match="not available"):
         attn_dist(*args, sm_scale=0.5, implementation="cuda")
@@ -208,13 +217,27 @@ def test_no_kernel_on_local_gpu_falls_back(monkeypatch):
     assert "jax_attn_dist_fwd" not in text
 
 
+_NOOP_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda frame: None)
+
+
 def _capsule():
     new = ctypes.pythonapi.PyCapsule_New
     new.restype = ctypes.py_object
     new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    return new(ctypes.cast(ctypes.CDLL(None).abs, ctypes.c_void_p), None, None)
+    return new(ctypes.cast(_NOOP_HANDLER, ctypes.c_void_p), None, None)
 
 
+def _cuda_plugin_installed():
+    import importlib.metadata as md
+
+    names = ((d.metadata["Name"] or "").lower().replace("_", "-") for d in md.distributions())
+    return any(n.startswith("jax-cuda") for n in names)
+
+
+@pytest.mark.skipif(
+    _cuda_plugin_installed(),
+    reason="a CUDA plugin forwards the registration to XLA, which calls the handler: needs a real one",
+)
 def test_ext_registers_capsules_for_cuda(monkeypatch):
     """Registering a CUDA FFI target on a CPU-only jax is accepted (stored)."""
     fake = types.ModuleType("jax_attn_dist._cuda")
