@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -124,6 +125,8 @@ def bench_shape(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
 
 
 def git_commit() -> str:
+    if os.environ.get("JAX_ATTN_DIST_COMMIT"):  # the device copy of the tree has no .git
+        return os.environ["JAX_ATTN_DIST_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:  # noqa: BLE001

@@ -8,6 +8,8 @@ PyCapsule) are registered with XLA for the CUDA platform, once, on first use.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import threading
 from typing import Optional, Tuple
 
@@ -17,11 +19,33 @@ _lock = threading.Lock()
 _state: Optional[Tuple[bool, str]] = None
 
 
+def _installed_extension():
+    """The extension of the installed jax_attn_dist distribution, loaded by path.
+
+    `python -m pytest` / `python -m jax_attn_dist` run from a source checkout put
+    the checkout first on sys.path, so `jax_attn_dist` is the source tree, which
+    has no compiled `_cuda`; the one `pip install .` built is in site-packages.
+    """
+    try:
+        dist = importlib.metadata.distribution("jax_attn_dist")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.parent.name == "jax_attn_dist" and f.name.startswith("_cuda.") and f.suffix in (".so", ".pyd"):
+            spec = importlib.util.spec_from_file_location("jax_attn_dist._cuda", f.locate())
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    return None
+
+
 def _load() -> Tuple[bool, str]:
     try:
         from jax_attn_dist import _cuda  # type: ignore[attr-defined]
     except ImportError as e:
-        return False, f"the CUDA extension jax_attn_dist._cuda is not built/importable ({e})"
+        _cuda = _installed_extension()
+        if _cuda is None:
+            return False, f"the CUDA extension jax_attn_dist._cuda is not built/importable ({e})"
     try:
         registrations = dict(_cuda.registrations())
         if not registrations:

@@ -38,7 +38,7 @@ for step in "${steps[@]}"; do
           python3 tests/sanitizer_run.py
       done ;;
     sass)
-      so=$(python3 -c "import jax_attn_dist._cuda as m; print(m.__file__)")
+      so=$(cd /tmp && python3 -c "import jax_attn_dist._cuda as m; print(m.__file__)")
       cuobjdump -sass "$so" | grep -c HGMMA > "$OUT/sass.log" 2>&1; cat "$OUT/sass.log" ;;
   esac
 done
