@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_attn_dist
 import oracle
+
+jax_attn_dist.kernel_available()  # registers the FFI targets, the test-only one included
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1

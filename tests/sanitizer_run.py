@@ -1,6 +1,6 @@
 """Run a few kernel cases for compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
 
-    compute-sanitizer --tool racecheck --kernel-name regex:attn_dist python tests/sanitizer_run.py
+    compute-sanitizer --tool racecheck --kernel-name kns=attn_dist_kernel python tests/sanitizer_run.py
 
 Covers partial T, partial H, both head tiles, both D, batched, all-invalid.
 Exits non-zero if a result is wrong.

@@ -22,7 +22,7 @@ run() {  # name, command...
 for step in "${steps[@]}"; do
   case $step in
     build)
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
       export PYTHONPATH=/tmp/site
       { nvidia-smi; nvcc --version; python3 -c "import jax; print(jax.__version__, jax.devices())"; } > "$OUT/env.log" 2>&1
       run build python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
@@ -34,7 +34,7 @@ for step in "${steps[@]}"; do
     bench-quick) run bench python3 benchmarks/bench.py --shapes v32-h128 v32-h64 --json "$OUT/bench.json" ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
-        run "sanitize-$tool" compute-sanitizer --tool "$tool" --kernel-name regex:attn_dist --error-exitcode 9 \
+        run "sanitize-$tool" compute-sanitizer --tool "$tool" --kernel-name kns=attn_dist_kernel --error-exitcode 9 \
           python3 tests/sanitizer_run.py
       done ;;
     sass)
