@@ -263,6 +263,7 @@ def test_ext_registration_failure_is_recorded(monkeypatch):
 
 def test_ext_missing_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax_attn_dist._cuda", None)  # import raises ImportError
+    monkeypatch.setattr(_ext, "_installed_extension", lambda: None, raising=False)  # nor an installed copy
     monkeypatch.setattr(_ext, "_state", None)
     assert not _ext.kernel_available()
     assert "not built" in _ext.kernel_unavailable_reason()
