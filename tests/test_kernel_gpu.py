@@ -103,3 +103,39 @@ def test_k_larger_than_2_pow_31_elements():
     ref = oracle.attn_dist_oracle(q, k_local, local, lse, q_start_index=0, **kw)
     oracle.assert_within_spec(out, ref)
     assert (out[..., 1:4] == 0).all()
+
+
+def _raw_ffi(q_shape, k_shape, idx_shape, lse_shape, qs_shape, out_shape, *, sm_scale=0.1, k_stride=1):
+    """The FFI target called directly, bypassing the Python checks."""
+    args = (jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16), jnp.zeros(idx_shape, jnp.int32),
+            jnp.zeros(lse_shape, jnp.float32), jnp.zeros(qs_shape, jnp.int32))
+    call = jax.ffi.ffi_call("jax_attn_dist_fwd", jax.ShapeDtypeStruct(out_shape, jnp.float32))
+    return jax.block_until_ready(jax.jit(lambda *a: call(*a, sm_scale=np.float32(sm_scale), causal=True,
+                                                         k_stride=np.int32(k_stride), lse_base_e=False))(*args))
+
+
+GOOD = dict(q_shape=(1, 4, 64, 576), k_shape=(1, 32, 1, 576), idx_shape=(1, 4, 1, 64), lse_shape=(1, 4, 64),
+            qs_shape=(1,), out_shape=(1, 1, 4, 64))
+BAD = {
+    "D=128": (dict(q_shape=(1, 4, 64, 128), k_shape=(1, 32, 1, 128)), "head dim D must be 512 or 576"),
+    "HK=2": (dict(k_shape=(1, 32, 2, 576)), "k must have shape"),
+    "q rank 3": (dict(q_shape=(4, 64, 576)), "q must be rank 4"),
+    "indices S": (dict(idx_shape=(1, 5, 1, 64)), "indices must have shape"),
+    "lse H": (dict(lse_shape=(1, 4, 32)), "lse must have shape"),
+    "q_start B": (dict(qs_shape=(2,)), "q_start must have shape"),
+    "out G": (dict(out_shape=(1, 2, 4, 64)), "out must have shape"),
+    "k_stride 0": (dict(k_stride=0), "k_stride must be >= 1"),
+    "sm_scale nan": (dict(sm_scale=float("nan")), "sm_scale must be finite"),
+}
+
+
+def test_ffi_handler_accepts_good_call():
+    assert _raw_ffi(**GOOD).shape == GOOD["out_shape"]
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_ffi_handler_returns_clear_errors(name):
+    """The handler re-validates and returns an ffi::Error (the process lives on)."""
+    change, message = BAD[name]
+    with pytest.raises(Exception, match=message):
+        _raw_ffi(**{**GOOD, **change})
