@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [test-all] [demo] [bench] [bench-quick] [sanitize] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [demo] [bench] [bench-quick] [sanitize] [ncu] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 set -uo pipefail
@@ -36,6 +36,11 @@ for step in "${steps[@]}"; do
       for tool in memcheck racecheck synccheck initcheck; do
         run "sanitize-$tool" compute-sanitizer --tool "$tool" --kernel-name kns=attn_dist_kernel --error-exitcode 9 \
           python3 tests/sanitizer_run.py
+      done ;;
+    ncu)
+      for shape in v32-h128 v32-h64; do
+        run "ncu-$shape" ncu --kernel-name regex:attn_dist --launch-skip 2 --launch-count 1 --set full \
+          --import-source no --page details python3 tools/profile_kernel.py "$shape"
       done ;;
     sass)
       so=$(cd /tmp && python3 -c "import jax_attn_dist._cuda as m; print(m.__file__)")
