@@ -64,11 +64,13 @@ __device__ __forceinline__ CtaProblem locate_cta(const AttnDistParams& p) {
   return c;
 }
 
-// The key index of slot t, or -1 when the slot is past T or its index is
-// invalid (out of [0, N) or not causally visible). Any int32 is safe here.
-__device__ __forceinline__ int32_t valid_key_or_minus_one(const CtaProblem& c, int t, int topk, int s_kv) {
-  if (t >= topk) return -1;
-  const int32_t i = __ldg(c.indices + t);
+// The raw index of slot t (any int32), or -1 past T.
+__device__ __forceinline__ int32_t load_slot_index(const CtaProblem& c, int t, int topk) {
+  return t < topk ? __ldg(c.indices + t) : -1;
+}
+
+// The key of a slot index if it is valid (in [0, N) and causally visible), else -1.
+__device__ __forceinline__ int32_t key_if_valid(const CtaProblem& c, int32_t i, int s_kv) {
   const bool ok = i >= 0 && i < s_kv && int64_t(i) <= c.max_visible_key;
   return ok ? i : -1;
 }
@@ -118,11 +120,20 @@ __device__ __forceinline__ void gather_k_blocks(typename Cfg::SharedMemoryPlan& 
   const int smem_chunk_elems = (chunk ^ row0) * 8;
   RingPos<Cfg> pos;
 
+  // The slot indices are loaded one block ahead: waiting for them at the start
+  // of each block stalled the gather for an L2 round trip per block.
+  int32_t next_index[kRowsPerThread];
+  auto load_block_indices = [&](int block) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r)
+      next_index[r] = load_slot_index(c, block * kBlockTopk + row0 + 8 * r, p.topk);
+  };
+  if (consumer < c.num_blocks) load_block_indices(consumer);
   for (int block = consumer; block < c.num_blocks; block += kNumConsumers) {
     int32_t key[kRowsPerThread];  // -1: zero-fill, read nothing
     CUTE_UNROLL
-    for (int r = 0; r < kRowsPerThread; ++r)
-      key[r] = valid_key_or_minus_one(c, block * kBlockTopk + row0 + 8 * r, p.topk, p.s_kv);
+    for (int r = 0; r < kRowsPerThread; ++r) key[r] = key_if_valid(c, next_index[r], p.s_kv);
+    if (block + kNumConsumers < c.num_blocks) load_block_indices(block + kNumConsumers);
     for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
       cutlass::arch::ClusterBarrier::wait(&plan.k_empty[consumer][pos.stage], pos.phase ^ 1);
       bf16* stage = plan.k[consumer] + pos.stage * (kBlockTopk * kDimTile);
@@ -262,12 +273,13 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
 
   RingPos<Cfg> pos;
   for (int block = consumer; block < c.num_blocks; block += kNumConsumers) {
-    // Validity of this thread's two rows; the loads overlap the GEMM.
+    // This thread's two rows' slot indices; the loads overlap the GEMM.
     const int t0 = block * kBlockTopk + 16 * warp + lane / 4;
-    const bool row_valid0 = valid_key_or_minus_one(c, t0, p.topk, p.s_kv) >= 0;
-    const bool row_valid1 = valid_key_or_minus_one(c, t0 + 8, p.topk, p.s_kv) >= 0;
+    const int32_t index0 = load_slot_index(c, t0, p.topk);
+    const int32_t index1 = load_slot_index(c, t0 + 8, p.topk);
     qk_gemm_block<Cfg>(plan, mma, tA, tB, acc, consumer, block == consumer, pos, lane);
-    softmax_sum_store<Cfg>(acc, neg_lse, p, c, block, warp, lane, row_valid0, row_valid1);
+    softmax_sum_store<Cfg>(acc, neg_lse, p, c, block, warp, lane, key_if_valid(c, index0, p.s_kv) >= 0,
+                           key_if_valid(c, index1, p.s_kv) >= 0);
   }
 }
 
