@@ -5,6 +5,7 @@ See :func:`attn_dist` and SPEC §2. ``python -m jax_attn_dist`` runs a demo.
 
 from ._contract import HEADS_PER_GROUP, kernel_supports
 from .primitive import attn_dist, attn_dist_p, kernel_available
+from . import autodiff, batching  # noqa: F401  (custom VJP; registers the vmap rule)
 from .reference import attn_dist_reference
 
 __version__ = "0.1.0"

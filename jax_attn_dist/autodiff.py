@@ -1,0 +1,201 @@
+"""Reverse-mode autodiff of ``attn_dist``: a ``jax.custom_vjp`` around the
+canonical bind of ``attn_dist_p``.
+
+With ``G`` the cotangent of ``out[g(h), s, j]`` (``g(h) = h // 64``) and ``p``
+the probabilities of SPEC §2 (0 where the slot is invalid or ``lse`` is not
+finite)::
+
+    dz(s, h, j)  = G * p(s, h, j) * sm_scale
+    dq[s, h]     = sum_j dz(s, h, j) * k[idx(s, kh(h), j), kh(h)]
+    dk[i, kh]   += sum_{h of kv head kh} dz(s, h, j) * q[s, h]   for i = idx(s, kh, j)
+    dlse[s, h]   = -c * sum_j G * p(s, h, j)     c = 1 (lse_base "e"), ln 2 ("2")
+
+``dk`` is a scatter-add: duplicated indices accumulate, invalid slots add
+nothing. ``indices`` and ``q_start`` get no gradient. Where ``p`` is 0 the
+gradients are exactly 0 (never NaN), whatever ``lse`` holds there.
+
+The forward saves only its inputs; the backward recomputes ``p`` (no
+``[B, S, H, T]`` residual). The backward is jnp, chunked over the B*S query rows
+like the reference (temporaries bounded independently of S): per chunk it
+gathers the top-k key rows once, recomputes the scores exactly as the
+reference forward does (bf16 products, float32 accumulation), and computes the
+gradients in float32 (``Precision.HIGHEST``: no TF32 on GPUs). ``dq`` and
+``dlse`` are written per chunk, ``dk`` accumulates in float32; results come
+back in the input dtypes. Forward-mode (``jax.jvp``) is not provided.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import _contract
+from ._contract import HEADS_PER_GROUP, Problem
+from .reference import (
+    _CHUNK_BYTES,
+    _MAX_CHUNK_ROWS,
+    _causal_parts,
+    _probabilities,
+    _valid_slots,
+)
+
+LN2 = math.log(2.0)
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def backward_chunk_rows(problem: Problem) -> int:
+    """Query rows per backward chunk (>= 1): the reference's byte budget, with
+    the backward's larger per-row temporaries (gathered keys in their dtype and
+    in float32, their float32 dk contribution, and about six float32 [H, T]
+    arrays)."""
+    itemsize = jnp.dtype(problem.dtype).itemsize
+    per_row = (
+        problem.HK * problem.T * problem.D * (itemsize + 8)
+        + 6 * problem.H * problem.T * 4
+        + 2 * problem.H * problem.D * 4
+    )
+    rows = max(1, _CHUNK_BYTES // max(per_row, 1))
+    rows = min(rows, _MAX_CHUNK_ROWS, max(problem.B * problem.S, 1))
+    if rows >= 16:
+        rows -= rows % 8
+    return int(rows)
+
+
+def attn_dist_bwd_canonical(
+    q, k, indices, lse, q_start, g, *, sm_scale: float, causal: bool, k_stride: int,
+    lse_base: str, chunk: Optional[int] = None, **unused_params,
+):
+    """Gradients ``(dq, dk, dlse)`` of ``sum(g * attn_dist(...))`` on canonical
+    operands (q [B,S,H,D], k [B,N,HK,D], indices [B,S,HK,T] int32,
+    lse [B,S,H] f32, q_start [B] int32; g [B,G,S,T]). ``dq``/``dk`` have the
+    dtype of q/k, ``dlse`` is float32. ``chunk`` overrides the rows per chunk."""
+    problem = _contract.check_canonical(q, k, indices, lse, q_start)
+    B, S, H, D, N, HK, T, G = (
+        problem.B, problem.S, problem.H, problem.D, problem.N, problem.HK, problem.T, problem.G,
+    )
+    if problem.is_empty:
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(lse)
+    R = B * S
+    Hg = H // HK
+    C = min(int(chunk), R) if chunk else backward_chunk_rows(problem)
+    n_chunks = -(-R // C)
+
+    q_flat = q.reshape(R, HK, Hg, D)
+    i_flat = indices.reshape(R, HK, T)
+    lse_flat = lse.reshape(R, HK, Hg)
+    g_flat = g.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(R, G, T)
+    qq, qr = _causal_parts(q_start, k_stride)
+    kh = jnp.arange(HK, dtype=jnp.int32)
+    c = 1.0 if lse_base == "e" else LN2
+    precision = _HIGHEST if problem.dtype == jnp.dtype(jnp.float32) else None
+
+    def chunk_grads(i, start):
+        """dq rows (q dtype), dlse rows, and this chunk's dk scatter-add
+        (rows before the nominal start ``i * C`` were done by the previous
+        chunk: the last chunk may overlap it and adds nothing for them)."""
+        q_rows = jax.lax.dynamic_slice_in_dim(q_flat, start, C, axis=0)
+        i_rows = jax.lax.dynamic_slice_in_dim(i_flat, start, C, axis=0)
+        lse_rows = jax.lax.dynamic_slice_in_dim(lse_flat, start, C, axis=0)
+        g_rows = jax.lax.dynamic_slice_in_dim(g_flat, start, C, axis=0)  # [C, G, T]
+        rows = start + jnp.arange(C, dtype=jnp.int32)
+        b_rows = rows // S
+        s_rows = rows - b_rows * S
+        valid, idx_c = _valid_slots(i_rows, b_rows, s_rows, qq, qr, N=N, causal=causal, k_stride=k_stride)
+
+        # the forward's scores, recomputed the same way (reference._chunk_scores)
+        kg = k.at[b_rows[:, None, None], idx_c, kh[None, :, None]].get(mode="promise_in_bounds")
+        acc = jnp.einsum(
+            "rkhd,rktd->rkht", q_rows, kg, preferred_element_type=jnp.float32, precision=precision,
+        )
+        p = _probabilities(acc, valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
+
+        # G per head: group g(h) = h // 64 of head h = kh * Hg + hh
+        g_heads = jnp.repeat(g_rows, HEADS_PER_GROUP, axis=1, total_repeat_length=G * HEADS_PER_GROUP)
+        g_heads = g_heads[:, :H].reshape(C, HK, Hg, T)
+        keep = valid[:, :, None, :] & jnp.isfinite(lse_rows)[..., None]
+        gp = jnp.where(keep, g_heads * p, jnp.float32(0.0))  # [C, HK, Hg, T]
+
+        dlse_rows = (gp.sum(axis=-1) * jnp.float32(-c)).reshape(C, H)
+        dz = gp * jnp.float32(sm_scale)
+        dq_rows = jnp.einsum(
+            "rkht,rktd->rkhd", dz, kg.astype(jnp.float32), precision=_HIGHEST,
+        ).reshape(C, H, D)
+
+        fresh = rows >= i * C
+        dz_new = jnp.where(fresh[:, None, None, None], dz, jnp.float32(0.0))
+        dk_rows = jnp.einsum(
+            "rkht,rkhd->rktd", dz_new, q_rows.astype(jnp.float32), precision=_HIGHEST,
+        )  # [C, HK, T, D]
+        target = jnp.where(valid, idx_c, N)  # invalid slots: out of bounds, dropped
+        return dq_rows.astype(q.dtype), dlse_rows, (b_rows, target, dk_rows)
+
+    def add_dk(dk, update):
+        b_rows, target, dk_rows = update
+        return dk.at[b_rows[:, None, None], target, kh[None, :, None]].add(dk_rows, mode="drop")
+
+    dk0 = jnp.zeros((B, N, HK, D), jnp.float32)
+    if n_chunks == 1:
+        dq, dlse, update = chunk_grads(jnp.int32(0), jnp.int32(0))
+        dk = add_dk(dk0, update)
+    else:
+        def step(i, carry):
+            dq, dlse, dk = carry
+            start = jnp.minimum(i * C, R - C).astype(jnp.int32)
+            dq_rows, dlse_rows, update = chunk_grads(i, start)
+            dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_rows, start, axis=0)
+            dlse = jax.lax.dynamic_update_slice_in_dim(dlse, dlse_rows, start, axis=0)
+            return dq, dlse, add_dk(dk, update)
+
+        init = (jnp.zeros((R, H, D), q.dtype), jnp.zeros((R, H), jnp.float32), dk0)
+        dq, dlse, dk = jax.lax.fori_loop(0, n_chunks, step, init)
+
+    return dq.reshape(B, S, H, D), dk.astype(k.dtype), dlse.reshape(B, S, H)
+
+
+# ----------------------------------------------------------------------------
+# the custom VJP around the primitive
+# ----------------------------------------------------------------------------
+
+
+def _bind(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, implementation):
+    from .primitive import attn_dist_p  # primitive.py imports this module lazily
+
+    return attn_dist_p.bind(
+        q, k, indices, lse, q_start, sm_scale=sm_scale, causal=causal, k_stride=k_stride,
+        lse_base=lse_base, implementation=implementation,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _attn_dist_vjp(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, implementation):
+    return _bind(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, implementation)
+
+
+def _vjp_fwd(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, implementation):
+    out = _bind(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, implementation)
+    return out, (q, k, indices, lse, q_start)
+
+
+def _vjp_bwd(sm_scale, causal, k_stride, lse_base, implementation, residuals, g):
+    q, k, indices, lse, q_start = residuals
+    dq, dk, dlse = attn_dist_bwd_canonical(
+        q, k, indices, lse, q_start, g, sm_scale=sm_scale, causal=causal, k_stride=k_stride,
+        lse_base=lse_base,
+    )
+    return dq, dk, None, dlse, None  # indices, q_start: integer, no gradient
+
+
+_attn_dist_vjp.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def attn_dist_canonical(
+    q, k, indices, lse, q_start, *, sm_scale: float, causal: bool, k_stride: int,
+    lse_base: str, implementation: Optional[str],
+):
+    """``attn_dist_p.bind`` on canonical operands, differentiable w.r.t. q, k
+    and lse (static parameters already checked)."""
+    return _attn_dist_vjp(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, implementation)
