@@ -1,0 +1,127 @@
+"""jax.vmap of attn_dist: vmapped axes fold into the native batch dimension
+(one bind of the primitive), and the result equals a Python loop (CPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inputs import make_inputs, seed_of
+from jax_attn_dist import attn_dist, attn_dist_p
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def primitive_operand_shapes(fn, *args):
+    """The operand shapes of every attn_dist_p equation in fn's jaxpr
+    (searched recursively through custom_vjp, jit, scan, ... sub-jaxprs)."""
+    found = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive is attn_dist_p:
+                found.append(tuple(tuple(v.aval.shape) for v in eqn.invars))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None:
+                        walk(inner if hasattr(inner, "eqns") else inner.jaxpr)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def stack_inputs(seed, V, *, B=None, S=7, H=5, D=8, N=9, T=6, HK=1, dtype=BF16, **kw):
+    """V independent problems stacked on a new leading axis; per-problem
+    q_start_index as an int32 [V] (unbatched) or [V, B] (batched) array."""
+    parts = [
+        make_inputs(seed + v, B=B, S=S, H=H, D=D, N=N, T=T, HK=HK, dtype=dtype,
+                    q_start_index="batch" if B else None, lse_noise=0.2, **kw)
+        for v in range(V)
+    ]
+    q, k, idx, lse = (jnp.stack([p[j] for p in parts]) for j in range(4))
+    qs = jnp.stack([jnp.asarray(p[4]["q_start_index"], jnp.int32) for p in parts])
+    kw0 = {key: val for key, val in parts[0][4].items() if key != "q_start_index"}
+    return q, k, idx, lse, qs, kw0
+
+
+def loop(q, k, idx, lse, qs, kw):
+    return np.stack([np.asarray(attn_dist(q[v], k[v], idx[v], lse[v], q_start_index=qs[v], **kw)) for v in range(q.shape[0])])
+
+
+@pytest.mark.parametrize("B", [None, 2])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_vmap_all_operands_equals_loop(B, dtype):
+    V = 3
+    q, k, idx, lse, qs, kw = stack_inputs(seed_of("vmap-all", B, jnp.dtype(dtype).name), V, B=B, dtype=dtype)
+    f = lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, **kw)
+    got = jax.jit(jax.vmap(f))(q, k, idx, lse, qs)
+    np.testing.assert_array_equal(got, loop(q, k, idx, lse, qs, kw))
+    shapes = primitive_operand_shapes(jax.vmap(f), q, k, idx, lse, qs)
+    Bc = B or 1
+    assert shapes == [((V * Bc, 7, 5, 8), (V * Bc, 9, 1, 8), (V * Bc, 7, 1, 6), (V * Bc, 7, 5), (V * Bc,))]
+
+
+def test_vmap_axes_anywhere_and_unmapped_operands():
+    """Mapped axes at other positions (negative too), k and q_start not
+    mapped (broadcast), out_axes elsewhere; HK > 1."""
+    V = 4
+    q, k, idx, lse, qs, kw = stack_inputs(seed_of("vmap-axes"), V, B=2, H=6, HK=3, causal=True)
+    k0, qs0 = k[0], qs[0]
+    qm = jnp.moveaxis(q, 0, 2)      # [B, S, V, H, D]
+    im = jnp.moveaxis(idx, 0, -1)   # [B, S, HK, T, V]
+    lm = jnp.moveaxis(lse, 0, 1)    # [B, V, S, H]
+    f = lambda q, i, l: attn_dist(q, k0, i, l, q_start_index=qs0, **kw)
+    got = jax.vmap(f, in_axes=(2, -1, 1), out_axes=1)(qm, im, lm)  # [B, V, G, S, T]
+    want = loop(q, jnp.broadcast_to(k0, k.shape), idx, lse, jnp.broadcast_to(qs0, qs.shape), kw)
+    np.testing.assert_array_equal(got, np.moveaxis(want, 0, 1))
+    assert len(primitive_operand_shapes(jax.vmap(f, in_axes=(2, -1, 1)), qm, im, lm)) == 1
+
+
+def test_vmap_only_q_start():
+    """The same problem at V different offsets: only q_start_index is mapped."""
+    seed = seed_of("vmap-qstart")
+    q, k, idx, lse, kw = make_inputs(seed, S=8, H=3, D=8, N=12, T=7, lse_noise=0.2)
+    kw.pop("q_start_index")
+    offsets = jnp.asarray(np.random.default_rng(seed).integers(-3, 12, 5), jnp.int32)
+    got = jax.vmap(lambda s: attn_dist(q, k, idx, lse, q_start_index=s, **kw))(offsets)
+    want = np.stack([attn_dist(q, k, idx, lse, q_start_index=int(s), **kw) for s in offsets])
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(want[0], want[-1]) or offsets[0] == offsets[-1]
+
+
+def test_nested_vmap_is_one_bind():
+    """vmap of vmap over unbatched inputs: one primitive on [V1 * V2, ...]."""
+    V1, V2 = 2, 3
+    q, k, idx, lse, qs, kw = stack_inputs(seed_of("vmap-nested"), V1 * V2, H=4, dtype=F32)
+    split = lambda x: x.reshape((V1, V2) + x.shape[1:])
+    args = tuple(split(x) for x in (q, k, idx, lse, qs))
+    f = lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, **kw)
+    ff = jax.vmap(jax.vmap(f))
+    got = jax.jit(ff)(*args)
+    np.testing.assert_array_equal(np.asarray(got).reshape((V1 * V2,) + got.shape[2:]), loop(q, k, idx, lse, qs, kw))
+    shapes = primitive_operand_shapes(ff, *args)
+    assert len(shapes) == 1 and shapes[0][0] == (V1 * V2, 7, 4, 8)
+    # the inner vmap over q only (k, indices, lse, q_start broadcast), the outer over everything
+    g = jax.vmap(lambda q, k, i, l, s: jax.vmap(lambda qq: attn_dist(qq, k, i, l, q_start_index=s, **kw))(q))
+    rest = tuple(x[:, 0] for x in args[1:])
+    out = g(args[0], *rest)
+    assert len(primitive_operand_shapes(g, args[0], *rest)) == 1
+    for a in range(V1):
+        for b in range(V2):
+            np.testing.assert_array_equal(
+                out[a, b], attn_dist(args[0][a, b], *(x[a] for x in rest[:3]), q_start_index=rest[3][a], **kw))
+
+
+def test_vmap_of_public_unbatched_inputs_under_jit_and_size_zero():
+    seed = seed_of("vmap-empty")
+    q, k, idx, lse, kw = make_inputs(seed, S=4, H=2, D=8, N=5, T=3)
+    f = lambda q, k, i, l: attn_dist(q, k, i, l, **kw)
+    empty = lambda x: jnp.zeros((0,) + x.shape, x.dtype)
+    out = jax.vmap(f)(empty(q), empty(k), empty(idx), empty(lse))
+    assert out.shape == (0, 1, 4, 3)
+    out = jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))(jnp.stack([q, q]), k, idx, lse)
+    np.testing.assert_array_equal(out[0], f(q, k, idx, lse))
+    np.testing.assert_array_equal(out[1], out[0])
