@@ -33,9 +33,14 @@ constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;  // + WG2, the
 constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90 opt-in limit per block
 constexpr int kSmemAlign = 1024;             // SW128 atoms repeat every 8 rows x 128 B
 
-// setmaxnreg budgets: 2 x 128 x 216 + 128 x 80 = 65536 registers (the whole file).
-constexpr int kConsumerRegs = 216;
+// setmaxnreg moves registers between warpgroups within the CTA's launch
+// allocation (__launch_bounds__(384, 1): 168 per thread, 64512 in all), so the
+// budgets must fit in it, or the consumers' allocation waits forever.
+constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;  // 168
+constexpr int kConsumerRegs = 208;
 constexpr int kProducerRegs = 80;
+static_assert((kNumConsumers * kConsumerRegs + kProducerRegs) * kWarpgroupThreads <= kLaunchRegs * kThreads,
+              "setmaxnreg budgets exceed the CTA's register allocation");
 
 // D: head dim (512 or 576). HT: heads per CTA (64 or 128).
 template <int D_, int HT_>

@@ -10,10 +10,11 @@ export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALL
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test demo bench)
 status=()
+STEP_TIMEOUT=${STEP_TIMEOUT:-240}  # a hung kernel must not eat the whole call
 run() {  # name, command...
   local name=$1; shift
   local t0=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 5 "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   status+=("$name rc=$rc $((SECONDS - t0))s")
   echo "== $name rc=$rc ($((SECONDS - t0))s)"; tail -n 25 "$OUT/$name.log"
