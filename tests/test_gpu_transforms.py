@@ -1,0 +1,246 @@
+"""Transformations with the CUDA kernel on the GPU: gradients, vmap, and
+XLA command buffers (CUDA graphs). GPU only.
+
+Skipped unless jax's default backend is a GPU and the compiled extension is
+registered (``kernel_available()``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from inputs import make_inputs, seed_of
+from jax_attn_dist import attn_dist, kernel_available
+from test_grad import assert_grad_close, plain_attn_dist
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or not kernel_available(),
+    reason="needs a CUDA GPU and the compiled jax_attn_dist._cuda extension",
+)
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+FFI_TARGET = "jax_attn_dist_fwd"
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def kernel_inputs(tag, *, B=2, S=48, H=128, D=576, N=300, T=200, **kw):
+    return make_inputs(seed_of("gpu-transforms", tag), B=B, S=S, H=H, D=D, N=N, T=T,
+                       q_start_index="batch" if B else None, lse_noise=0.25, **kw)
+
+
+def poison_lse(lse, seed):
+    lse = np.array(lse)
+    rng = np.random.default_rng(seed)
+    flat = lse.reshape(-1)
+    pick = rng.choice(flat.size, size=6, replace=False)
+    flat[pick] = np.array([np.inf, -np.inf, np.nan, np.inf, -np.inf, np.nan], np.float32)
+    return jnp.asarray(lse)
+
+
+# ----------------------------------------------------------------------------
+# gradients through the kernel path
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lse_base", ["2", "e"])
+def test_kernel_path_gradients_match_reference_path(lse_base):
+    """Forward on the kernel, backward in jnp: the gradients equal those of the
+    XLA path and of jax.grad of the plain float32 implementation (bf16
+    inputs; gradients rounded to bf16 once)."""
+    q, k, idx, lse, kw = kernel_inputs(f"grad-{lse_base}", lse_base=lse_base)
+    lse = poison_lse(lse, 1)
+    qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((2, 2, 48, 200)), F32)
+
+    def loss(fn, q, k, l):  # nonlinear in out: the forward values enter the gradient
+        return jnp.sum(w * fn(q, k, idx, l, q_start_index=qs, **kw) ** 2)
+
+    grad = lambda fn: jax.jit(jax.grad(lambda q, k, l: loss(fn, q, k, l), argnums=(0, 1, 2)))
+    cuda = lambda *a, **k_: attn_dist(*a, implementation="cuda", **k_)
+    xla = lambda *a, **k_: attn_dist(*a, implementation="xla", **k_)
+
+    hlo = grad(cuda).lower(q, k, lse).as_text()
+    assert hlo.count(FFI_TARGET) >= 1
+    g_cuda = grad(cuda)(q, k, lse)
+    g_xla = grad(xla)(q, k, lse)
+    g_plain = jax.jit(jax.grad(lambda q, k, l: loss(plain_attn_dist, q, k, l), argnums=(0, 1, 2)))(
+        q.astype(F32), k.astype(F32), lse)
+    for name, a, b, c in zip(("dq", "dk", "dlse"), g_cuda, g_xla, g_plain):
+        assert a.dtype == b.dtype
+        rtol = 1e-4 if name == "dlse" else 1e-2
+        # T = 200 float32 sums and bf16 rounding; cancellation needs an absolute term
+        assert_grad_close(a, b, f"{name} kernel vs xla path", rtol, atol_frac=2e-5)
+        assert_grad_close(a, c, f"{name} kernel vs plain jax.grad", rtol, atol_frac=2e-5)
+    assert np.all(np.asarray(g_cuda[2])[~np.isfinite(np.asarray(lse))] == 0.0)
+
+
+# ----------------------------------------------------------------------------
+# vmap on the kernel path
+# ----------------------------------------------------------------------------
+
+
+def test_kernel_vmap_equals_loop_bitwise():
+    V = 3
+    parts = [kernel_inputs(f"vmap-{v}", T=130) for v in range(V)]
+    kw = {key: val for key, val in parts[0][4].items() if key != "q_start_index"}
+    q, k, idx, lse = (jnp.stack([p[j] for p in parts]) for j in range(4))
+    qs = jnp.stack([jnp.asarray(p[4]["q_start_index"], jnp.int32) for p in parts])
+    f = lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, implementation="cuda", **kw)
+
+    vm = jax.jit(jax.vmap(f))
+    hlo = vm.lower(q, k, idx, lse, qs).as_text()
+    assert hlo.count(f"@{FFI_TARGET}(") == 1  # one launch for all V * B problems
+    got = np.asarray(vm(q, k, idx, lse, qs))
+    for v in range(V):
+        want = np.asarray(jax.jit(f)(q[v], k[v], idx[v], lse[v], qs[v]))
+        assert np.array_equal(got[v].view(np.uint32), want.view(np.uint32)), f"vmap row {v} differs from the loop"
+        oracle.assert_within_spec(got[v], oracle.attn_dist_oracle(q[v], k[v], idx[v], lse[v], q_start_index=qs[v], **kw))
+
+    # nested vmap over unbatched problems (B = 1 each)
+    f1 = lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, implementation="cuda", **kw)
+    nested = jax.jit(jax.vmap(jax.vmap(f1)))(q, k, idx, lse, qs)
+    for v in range(V):
+        for b in range(2):
+            want = np.asarray(jax.jit(f1)(q[v, b], k[v, b], idx[v, b], lse[v, b], qs[v, b]))
+            assert np.array_equal(np.asarray(nested[v, b]).view(np.uint32), want.view(np.uint32))
+
+
+# ----------------------------------------------------------------------------
+# command buffers (CUDA graphs)
+# ----------------------------------------------------------------------------
+
+CB_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+NO_CB_FLAGS = "--xla_gpu_enable_command_buffer="  # empty list: no command buffers
+
+_CHILD = r"""
+import sys
+import numpy as np
+import jax, jax.numpy as jnp
+from inputs import make_inputs, seed_of
+import jax_attn_dist
+
+out_npz, hlo_path = sys.argv[1], sys.argv[2]
+assert jax.default_backend() == "gpu" and jax_attn_dist.kernel_available()
+sets = []
+for tag in ("a", "b"):
+    q, k, idx, lse, kw = make_inputs(seed_of("gpu-cmdbuf", tag), B=2, S=64, H=128, D=576, N=500, T=256,
+                                     q_start_index="batch", lse_noise=0.25)
+    qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
+    sets.append((q, k, idx, lse, qs))
+
+@jax.jit
+def f(q, k, i, l, s):
+    out = jax_attn_dist.attn_dist(q * 2, k, i, l - 1.0, q_start_index=s + 0, implementation="cuda", **kw)
+    return out, out.sum(axis=-1)  # fusions before and after the custom call
+
+open(hlo_path, "w").write(f.lower(*sets[0]).compile().as_text())
+results = {}
+for run in range(6):  # graph capture / instantiation, then replays with other buffers
+    out, sums = f(*sets[run % 2])
+    results[f"out{run}"] = np.asarray(out)
+    results[f"sum{run}"] = np.asarray(sums)
+np.savez(out_npz, **results)
+"""
+
+
+def _run_child(flags: str, workdir: str, tag: str):
+    env = dict(os.environ)
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(("--xla_gpu_enable_command_buffer",
+                                                                              "--xla_gpu_graph_min_graph_size",
+                                                                              "--xla_dump_to"))]
+    dump = os.path.join(workdir, f"dump_{tag}")
+    env["XLA_FLAGS"] = " ".join(kept + flags.split() + [f"--xla_dump_to={dump}"])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    npz, hlo = os.path.join(workdir, f"{tag}.npz"), os.path.join(workdir, f"{tag}.hlo.txt")
+    r = subprocess.run([sys.executable, "-c", _CHILD, npz, hlo], env=env, cwd=workdir,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"child ({flags}) failed:\n{r.stderr[-4000:]}"
+    with open(hlo) as fh:
+        return dict(np.load(npz)), fh.read(), dump
+
+
+def _dump_texts(dump_dir):
+    texts = {}
+    for root, _, files in os.walk(dump_dir):
+        for name in files:
+            if name.endswith(".txt"):
+                with open(os.path.join(root, name), errors="replace") as fh:
+                    texts[name] = fh.read()
+    return texts
+
+
+@pytest.fixture(scope="module")
+def cmdbuf_runs():
+    with tempfile.TemporaryDirectory() as d:
+        on, hlo_on, dump_on = _run_child(CB_FLAGS, d, "on")
+        off, hlo_off, dump_off = _run_child(NO_CB_FLAGS, d, "off")
+        yield dict(on=on, off=off, hlo_on=hlo_on, hlo_off=hlo_off,
+                   dumps_on=_dump_texts(dump_on), dumps_off=_dump_texts(dump_off))
+
+
+def test_command_buffers_give_identical_bits(cmdbuf_runs):
+    on, off = cmdbuf_runs["on"], cmdbuf_runs["off"]
+    assert on.keys() == off.keys()
+    for key in sorted(on):
+        a, b = on[key], off[key]
+        assert a.shape == b.shape and a.dtype == b.dtype == np.float32
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: command-buffer run differs"
+    # replays on the same inputs repeat the first run bit for bit
+    for run in range(2, 6):
+        assert np.array_equal(on[f"out{run}"].view(np.uint32), on[f"out{run % 2}"].view(np.uint32))
+    assert not np.array_equal(on["out0"], on["out1"])  # the two input sets differ
+
+
+def _computations(hlo: str):
+    """{computation name: body text} of an HLO module's text."""
+    comps, name, body = {}, None, []
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if name is None and m:
+            name, body = m.group(1), []
+        elif name is not None and line.strip() == "}":
+            comps[name] = "\n".join(body)
+            name = None
+        elif name is not None:
+            body.append(line)
+    return comps
+
+
+_CMD_BUFFER = re.compile(r"(?<!enable_)command[_ ]?buffer", re.IGNORECASE)
+
+
+def _capture_evidence(hlo: str, dumps: dict):
+    """Where the FFI custom call shows up inside a command buffer: HLO
+    computations named command_buffer* that contain it (XLA's HLO-level
+    command-buffer scheduling), and dump files that mention both (command
+    buffers formed on thunks)."""
+    in_hlo = [n for n, body in _computations(hlo).items() if "command_buffer" in n and FFI_TARGET in body]
+    in_dumps = [n for n, text in dumps.items() if FFI_TARGET in text and _CMD_BUFFER.search(text)]
+    return in_hlo, in_dumps
+
+
+def test_command_buffer_captures_the_custom_call(cmdbuf_runs):
+    """With command buffers on, the custom call is inside one (evidence in the
+    optimised HLO or XLA's dumps); with them off, the same search finds
+    nothing (a control for the search itself)."""
+    assert FFI_TARGET in cmdbuf_runs["hlo_on"] and FFI_TARGET in cmdbuf_runs["hlo_off"]
+    in_hlo, in_dumps = _capture_evidence(cmdbuf_runs["hlo_on"], cmdbuf_runs["dumps_on"])
+    off_hlo, off_dumps = _capture_evidence(cmdbuf_runs["hlo_off"], cmdbuf_runs["dumps_off"])
+    comps = [n for n in _computations(cmdbuf_runs["hlo_on"]) if "command_buffer" in n]
+    assert in_hlo or in_dumps, (
+        "no evidence that the custom call was captured into a command buffer.\n"
+        f"command_buffer computations in the HLO: {comps}\n"
+        f"dump files: {sorted(cmdbuf_runs['dumps_on'])[:60]}"
+    )
+    assert not off_hlo and not off_dumps, f"the search also matches without command buffers: {off_hlo} {off_dumps}"
