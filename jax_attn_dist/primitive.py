@@ -8,9 +8,15 @@ Two layers:
   ``sm_scale`` (float), ``causal`` (bool), ``k_stride`` (int), ``lse_base``
   ("2"/"e") and ``implementation`` (None/"cuda"/"xla"). Transformation rules
   (vmap, autodiff, sharding) belong on this primitive.
-* Its lowering picks the implementation per platform: on every platform the
-  jnp reference (``mlir.lower_fun``); on CUDA, where the kernel applies, an
-  inner ``jax.ffi.ffi_call`` to the ``jax_attn_dist_fwd`` FFI target.
+* Its lowering is a ``custom_partitioning`` function (``sharding.py``): under
+  a multi-device sharding, each shard binds the inner primitive
+  ``attn_dist_local_p`` (same operands and parameters) on its block, with
+  q_start moved by the shard's offset when S is sharded; on one device, or in
+  a ``shard_map``, the inner primitive sees the operands as they are.
+* The inner primitive's lowering picks the implementation per platform: on
+  every platform the jnp reference (``mlir.lower_fun``); on CUDA, where the
+  kernel applies, a ``jax.ffi.ffi_call`` to the ``jax_attn_dist_fwd`` FFI
+  target.
 
 The public :func:`attn_dist` validates, adds B = 1 when the inputs are
 unbatched, binds, and squeezes back.
@@ -27,12 +33,18 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import _contract, _ext
+from . import _contract, _ext, sharding
 from ._contract import FFI_TARGET, Problem
 from .reference import canonicalize, reference_canonical
 
 attn_dist_p = Primitive("attn_dist")
 attn_dist_p.multiple_results = False
+
+#: The per-shard (per-device) primitive: same operands and parameters; its
+#: lowering is the kernel-or-reference choice. Only the partitioned lowering
+#: of ``attn_dist_p`` binds it.
+attn_dist_local_p = Primitive("attn_dist_local")
+attn_dist_local_p.multiple_results = False
 
 _PARAM_NAMES = ("sm_scale", "causal", "k_stride", "lse_base", "implementation")
 
@@ -48,20 +60,26 @@ def _abstract_eval(q, k, indices, lse, q_start, *, sm_scale, causal, k_stride, l
 
 
 attn_dist_p.def_abstract_eval(_abstract_eval)
+attn_dist_local_p.def_abstract_eval(_abstract_eval)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_bind(params: Tuple[Tuple[str, object], ...]):
+def _jitted_bind(prim, params: Tuple[Tuple[str, object], ...]):
     kwargs = dict(params)
-    return jax.jit(lambda *args: attn_dist_p.bind(*args, **kwargs))
+    return jax.jit(lambda *args: prim.bind(*args, **kwargs))
 
 
 def _impl(*args, **params):
     # Eager use: compile the primitive alone (through its lowering) and run it.
-    return _jitted_bind(tuple(sorted(params.items())))(*args)
+    return _jitted_bind(attn_dist_p, tuple(sorted(params.items())))(*args)
+
+
+def _local_impl(*args, **params):
+    return _jitted_bind(attn_dist_local_p, tuple(sorted(params.items())))(*args)
 
 
 attn_dist_p.def_impl(_impl)
+attn_dist_local_p.def_impl(_local_impl)
 
 
 # ----------------------------------------------------------------------------
@@ -146,8 +164,12 @@ def _lowering_cuda(ctx, *args, **params):
     return _reference_lowering(ctx, *args, **params)
 
 
-mlir.register_lowering(attn_dist_p, _lowering_default)
-mlir.register_lowering(attn_dist_p, _lowering_cuda, platform="cuda")
+mlir.register_lowering(attn_dist_local_p, _lowering_default)
+mlir.register_lowering(attn_dist_local_p, _lowering_cuda, platform="cuda")
+
+# The outer primitive lowers through the custom_partitioning function that
+# binds the inner one per shard (see sharding.py).
+sharding.register_partitioned_lowering(attn_dist_p, attn_dist_local_p)
 
 
 # ----------------------------------------------------------------------------
