@@ -135,7 +135,17 @@ def case_inputs(c: Case):
         causal=c.causal, k_stride=c.k_stride, q_start_index=q_start,
     )
     del kw["q_start_index"]
+    # Host arrays: jit places them (CPU devices, also on a GPU machine).
+    q, k, idx, lse = (np.asarray(x) for x in (q, k, idx, lse))
+    if not isinstance(q_start, int):
+        q_start = np.asarray(q_start)
     return (q, k, idx, lse), q_start, kw
+
+
+def unsharded(f, *args):
+    """The reference: the same function, unsharded, on one CPU device."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(jax.jit(f)(*args))
 
 
 def _sharded_fn(kw, python_q_start=None):
@@ -156,7 +166,7 @@ def run_case(c: Case):
     python_q_start = q_start if isinstance(q_start, int) else None
     f = _sharded_fn(kw, python_q_start)
     args = arrays if python_q_start is not None else arrays + (q_start,)
-    ref = jax.jit(f)(*args)
+    ref = unsharded(f, *args)
     specs = _in_specs(c, arrays[3].ndim) + (() if python_q_start is not None else (P(),))
     in_sh = tuple(NamedSharding(mesh, s) for s in specs)
     jit_kw = dict(in_shardings=in_sh)
@@ -222,11 +232,11 @@ def test_sharded_causal_matches_oracle_with_offsets():
 def test_device_put_then_jit_and_explicit_mesh():
     """Shardings carried by the arrays (device_put), no in_shardings; on the
     default (Explicit-axes) mesh of jax.make_mesh."""
-    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    mesh = jax.make_mesh((2, 4), ("x", "y"), devices=jax.devices("cpu")[:8])
     c = Case("dp", XY24, q=P("x", "y"), indices=P("x", "y"))
     arrays, q_start, kw = case_inputs(c)
     f = _sharded_fn(kw)
-    ref = np.asarray(jax.jit(f)(*arrays, q_start))
+    ref = unsharded(f, *arrays, q_start)
     put = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, _in_specs(c, 3))]
     g = jax.jit(f)
     out = g(*put, q_start)
@@ -240,7 +250,7 @@ def test_pjit_style_partition_specs_under_mesh():
     c = Case("pjit", XY24, q=P("x", "y"), indices=P("x", "y"))
     arrays, q_start, kw = case_inputs(c)
     f = _sharded_fn(kw)
-    ref = np.asarray(jax.jit(f)(*arrays, q_start))
+    ref = unsharded(f, *arrays, q_start)
     with jax.set_mesh(mesh):
         g = jax.jit(f, in_shardings=_in_specs(c, 3) + (P(),), out_shardings=P("x", None, "y"))
         out = g(*arrays, q_start)
@@ -274,7 +284,7 @@ def test_consumer_keeps_sharding():
         out = attn_dist(q, k, i, l, q_start_index=s, **kw)
         return out / (out.sum(axis=1, keepdims=True) + 1.0)
 
-    ref = np.asarray(jax.jit(f)(*arrays, q_start))
+    ref = unsharded(f, *arrays, q_start)
     sh = tuple(NamedSharding(mesh, s) for s in _in_specs(c, 3) + (P(),))
     g = jax.jit(f, in_shardings=sh)
     out = g(*arrays, q_start)
@@ -292,7 +302,7 @@ def test_shard_map_with_user_offsets(mesh_def):
     mesh = make_mesh(*mesh_def)
     c = Case("shard_map", mesh_def, q=P(), indices=P(), k_stride=2)
     arrays, q_start, kw = case_inputs(c)
-    ref = np.asarray(jax.jit(_sharded_fn(kw))(*arrays, q_start))
+    ref = unsharded(_sharded_fn(kw), *arrays, q_start)
     if len(mesh_def[0]) == 1:
         b, s = None, "x"
     else:
@@ -329,7 +339,7 @@ def test_shard_map_over_some_axes_only():
     mesh = make_mesh(*XY24)
     c = Case("partial", XY24, q=P(), indices=P(), B=2)
     arrays, q_start, kw = case_inputs(c)
-    ref = np.asarray(jax.jit(_sharded_fn(kw))(*arrays, q_start))
+    ref = unsharded(_sharded_fn(kw), *arrays, q_start)
 
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x"),
                        axis_names={"x"})
