@@ -58,7 +58,7 @@ def test_scan_checkpoint_equals_unrolled_layers():
         return total
 
     got = jax.jit(jax.value_and_grad(ex.total_loss), static_argnums=3)(params, frozen, x0, cfg)
-    want = jax.value_and_grad(unrolled)(params, frozen, x0)
+    want = jax.jit(jax.value_and_grad(unrolled))(params, frozen, x0)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(jnp.abs(b).max()))
