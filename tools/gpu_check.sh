@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [test-all] [demo] [bench] [bench-quick] [sanitize] [ncu] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [sanitize] [ncu] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 set -uo pipefail
@@ -28,8 +28,11 @@ for step in "${steps[@]}"; do
       { nvidia-smi; nvcc --version; python3 -c "import jax; print(jax.__version__, jax.devices())"; } > "$OUT/env.log" 2>&1
       run build python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
       grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | sort | uniq -c ;;
-    test) run test python3 -m pytest -q -rs tests/test_kernel_gpu.py tests/test_gpu.py --run-large -p no:cacheprovider ;;
-    test-all) run test-all python3 -m pytest -q -rs tests -p no:cacheprovider ;;
+    test) run test python3 -m pytest -q -rs tests/test_kernel_gpu.py tests/test_gpu.py tests/test_gpu_transforms.py \
+            --run-large -p no:cacheprovider ;;
+    test-all) run test-all env JAX_PLATFORMS=cpu python3 -m pytest -q -rs tests -p no:cacheprovider ;;
+    multi-gpu) run multi-gpu python3 -m pytest -q -rs tests/test_gpu_sharding.py tests/test_sharding.py -p no:cacheprovider
+               run shard-map-example python3 examples/shard_map_example.py ;;
     demo) run demo python3 -m jax_attn_dist ;;
     bench) run bench python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
     bench-quick) run bench python3 benchmarks/bench.py --shapes v32-h128 v32-h64 --json "$OUT/bench.json" ;;
