@@ -182,11 +182,57 @@ def _vjp_fwd(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, 
 
 def _vjp_bwd(sm_scale, causal, k_stride, lse_base, implementation, residuals, g):
     q, k, indices, lse, q_start = residuals
-    dq, dk, dlse = attn_dist_bwd_canonical(
-        q, k, indices, lse, q_start, g, sm_scale=sm_scale, causal=causal, k_stride=k_stride,
-        lse_base=lse_base,
+    bwd = functools.partial(
+        attn_dist_bwd_canonical, sm_scale=sm_scale, causal=causal, k_stride=k_stride, lse_base=lse_base,
+    )
+    dq, dk, dlse = run_with_auto_axes(
+        bwd, (q, k, indices, lse, q_start, g), lambda: (dim_specs(q), dim_specs(k), dim_specs(lse)),
     )
     return dq, dk, None, dlse, None  # indices, q_start: integer, no gradient
+
+
+# ----------------------------------------------------------------------------
+# explicit sharding (jax.sharding.AxisType.Explicit, the default of
+# jax.make_mesh): the jnp code here merges and splits dimensions, which
+# explicitly-sharded types do not allow in general, so it runs with those
+# axes made automatic (XLA partitions it), giving results sharded as given.
+# ----------------------------------------------------------------------------
+
+
+def _explicit_axes(xs):
+    """(abstract mesh, names of its Explicit axes) of the first operand whose
+    type is sharded over an Explicit mesh axis; (None, ()) if none is."""
+    explicit = jax.sharding.AxisType.Explicit
+    for x in xs:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        names = getattr(mesh, "axis_names", ())
+        types = getattr(mesh, "axis_types", ())
+        axes = tuple(n for n, t in zip(names, types) if t == explicit)
+        if axes:
+            return mesh, axes
+    return None, ()
+
+
+def dim_specs(x) -> tuple:
+    """The PartitionSpec entries of x's type, one per dimension."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def run_with_auto_axes(fn, args, out_specs):
+    """``fn(*args)``; when an operand is typed with Explicit mesh axes, runs it
+    under ``jax.sharding.auto_axes`` over those axes with outputs sharded as
+    ``out_specs()`` (a tuple of per-dimension spec tuples, or one)."""
+    mesh, axes = _explicit_axes(args)
+    if not axes:
+        return fn(*args)
+    specs = out_specs()
+    out_sharding = (
+        tuple(jax.sharding.PartitionSpec(*s) for s in specs)
+        if specs and isinstance(specs[0], tuple) else jax.sharding.PartitionSpec(*specs)
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding)(*args)
 
 
 _attn_dist_vjp.defvjp(_vjp_fwd, _vjp_bwd)

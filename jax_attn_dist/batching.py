@@ -9,6 +9,10 @@ loop; nested vmaps apply the rule once per level. Every (batch element, query
 row) is computed independently, so the result equals a Python loop over the
 vmapped axis.
 
+Under explicit sharding (``jax.sharding.AxisType.Explicit``) the fold runs
+with those mesh axes made automatic (``jax.sharding.auto_axes``); the result
+keeps q's sharding of V, B and S and indices' sharding of T.
+
 Note: an operand that is not vmapped is materialised V times (e.g. a shared
 ``k`` under ``vmap`` over ``q`` only), since the kernel reads k per batch
 element.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import jax
 from jax.interpreters import batching
 
+from .autodiff import dim_specs, run_with_auto_axes
 from .primitive import attn_dist_p
 
 
@@ -38,10 +43,18 @@ def attn_dist_batch_rule(batched_args, batch_dims, **params):
         raise ValueError(f"attn_dist: vmapped operands disagree on the mapped axis size: {sorted(sizes)}")
     (V,) = sizes
     front = [_to_front(x, d, V) for x, d in zip(batched_args, batch_dims)]
-    B = front[0].shape[1]
-    merged = [x.reshape((V * B,) + tuple(x.shape[2:])) for x in front]
-    out = attn_dist_p.bind(*merged, **params)
-    return out.reshape((V, B) + tuple(out.shape[1:])), 0
+
+    def fold(*front):
+        B = front[0].shape[1]
+        merged = [x.reshape((V * B,) + tuple(x.shape[2:])) for x in front]
+        out = attn_dist_p.bind(*merged, **params)
+        return out.reshape((V, B) + tuple(out.shape[1:]))
+
+    def out_specs():  # [V, B, G, S, T]: V, B, S as q, T as indices
+        q_spec, i_spec = dim_specs(front[0]), dim_specs(front[2])
+        return (q_spec[0], q_spec[1], None, q_spec[2], i_spec[4])
+
+    return run_with_auto_axes(fold, front, out_specs), 0
 
 
 batching.primitive_batchers[attn_dist_p] = attn_dist_batch_rule

@@ -318,3 +318,29 @@ def test_stop_gradient_target_has_no_gradient():
     f = lambda q: jnp.sum(jax.lax.stop_gradient(attn_dist(q, k, idx, lse, **kw)) * q.sum())
     dq = jax.grad(f)(q)
     np.testing.assert_allclose(dq, np.full(q.shape, float(attn_dist(q, k, idx, lse, **kw).sum())), rtol=1e-6)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_grad_of_sharded_call(axis_type):
+    """jit(grad) with inputs sharded over a 2 x 4 mesh of CPU devices (batch
+    and S sharded), with Auto and with Explicit axes (the default of
+    jax.make_mesh): the gradients equal the unsharded ones and keep the
+    primals' shardings under Explicit axes."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = jax.devices("cpu")
+    if len(devices) < 8:
+        pytest.skip("needs 8 CPU devices (tests/conftest.py sets --xla_force_host_platform_device_count=8)")
+    seed = seed_of("grad-sharded", axis_type)
+    q, k, idx, lse, kw = make_inputs(seed, B=2, S=16, H=4, D=8, N=20, T=6, dtype=F32, q_start_index=3, lse_noise=0.2)
+    types = (getattr(jax.sharding.AxisType, axis_type),) * 2
+    mesh = jax.make_mesh((2, 4), ("b", "sp"), axis_types=types, devices=devices[:8])
+    put = lambda x, *spec: jax.device_put(np.asarray(x), NamedSharding(mesh, P(*spec)))
+    loss = lambda q, k, l, i: jnp.sum(attn_dist(q, k, i, l, **kw) ** 2)
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+        put(q, "b", "sp"), put(k, "b"), put(lse, "b", "sp"), put(idx, "b", "sp"))
+    want = jax.grad(lambda q, k, l: jnp.sum(plain_attn_dist(q, k, idx, l, **kw) ** 2), argnums=(0, 1, 2))(q, k, lse)
+    for a, b, name in zip(got, want, ("dq", "dk", "dlse")):
+        assert_grad_close(np.asarray(a), b, name, 2e-5)
+    if axis_type == "Explicit":
+        assert got[0].sharding.spec[:2] == ("b", "sp") and got[1].sharding.spec[:1] == ("b",)

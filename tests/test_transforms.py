@@ -125,3 +125,26 @@ def test_vmap_of_public_unbatched_inputs_under_jit_and_size_zero():
     out = jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))(jnp.stack([q, q]), k, idx, lse)
     np.testing.assert_array_equal(out[0], f(q, k, idx, lse))
     np.testing.assert_array_equal(out[1], out[0])
+
+
+@pytest.mark.parametrize("spec", [("v",), (None, "v"), ("v", None, "s"), (None, None, "s")],
+                         ids=["V", "B", "V-S", "S"])
+def test_vmap_of_explicitly_sharded_inputs(spec):
+    """vmap over inputs sharded with Explicit mesh axes (jax.make_mesh's
+    default) over the vmapped axis, the batch or S: equals the loop, and the
+    output keeps the sharding of V, B and S."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = jax.devices("cpu")
+    if len(devices) < 8:
+        pytest.skip("needs 8 CPU devices (tests/conftest.py sets --xla_force_host_platform_device_count=8)")
+    mesh = jax.make_mesh((2, 4), ("v", "s"), devices=devices[:8])
+    assert mesh.axis_types[0] == jax.sharding.AxisType.Explicit
+    q, k, idx, lse, qs, kw = stack_inputs(seed_of("vmap-explicit", spec), 2, B=2, S=8, dtype=F32)
+    put = lambda x, n=3: jax.device_put(np.asarray(x), NamedSharding(mesh, P(*spec[:n])))  # [V, B, S, ...]
+    f = lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, **kw)
+    got = jax.jit(jax.vmap(f))(put(q), put(k, 2), put(idx), put(lse), put(qs, 2))  # k: S is not its axis 2
+    np.testing.assert_allclose(np.asarray(got), loop(q, k, idx, lse, qs, kw), rtol=1e-6, atol=1e-7)
+    want = tuple(spec) + (None,) * (5 - len(spec))
+    want = (want[0], want[1], None, want[2], None)
+    assert tuple(got.sharding.spec) + (None,) * (5 - len(got.sharding.spec)) == want
