@@ -25,10 +25,15 @@ _spec.loader.exec_module(ex)
 
 
 def count_attn_dist(jaxpr) -> int:
+    """attn_dist binds on the primal path. A custom_vjp call also carries its
+    forward rule as a jaxpr in newer jax (0.11: a second copy of the same
+    computation, not a second execution): params named *fwd*/*bwd* are skipped."""
     n = 0
     for eqn in jaxpr.eqns:
         n += eqn.primitive is attn_dist_p
-        for p in eqn.params.values():
+        for key, p in eqn.params.items():
+            if "fwd" in key or "bwd" in key:
+                continue
             for sub in p if isinstance(p, (tuple, list)) else (p,):
                 inner = getattr(sub, "jaxpr", None)
                 if inner is not None:
