@@ -85,7 +85,11 @@ def test_export_training_gradient():
     want = g(q, k, lse, idx, qs)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=0)
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(a, b)
+        else:  # dk's scatter-add may round differently run to run on a GPU (bf16 results)
+            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-5 * np.abs(b).max())
 
 
 def test_export_xla_path_needs_no_disabled_check():

@@ -180,7 +180,11 @@ def test_non_finite_cotangent_on_zero_slots_is_ignored():
     cot[zero] = rng.choice(np.array([np.inf, -np.inf, np.nan], np.float32), int(zero.sum()))
     dirty = vjp_fn(jnp.asarray(cot))
     for a, b in zip(dirty, clean):
-        np.testing.assert_array_equal(a, b)
+        assert np.all(np.isfinite(a))
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(a, b)
+        else:  # scatter-add order may vary on a GPU
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
 
 
 def test_lse_base_2_scales_dlse_by_ln2():

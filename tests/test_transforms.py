@@ -14,6 +14,17 @@ from jax_attn_dist import attn_dist, attn_dist_p
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
+def assert_same(got, want):
+    """Bit for bit on the CPU. Elsewhere XLA may pick other algorithms for
+    other batch sizes, so float32 rounding is allowed (the kernel's vmap is
+    checked bit for bit in test_gpu_transforms.py)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def primitive_operand_shapes(fn, *args):
     """The operand shapes of every attn_dist_p equation in fn's jaxpr
     (searched recursively through custom_vjp, jit, scan, ... sub-jaxprs)."""
@@ -58,7 +69,7 @@ def test_vmap_all_operands_equals_loop(B, dtype):
     q, k, idx, lse, qs, kw = stack_inputs(seed_of("vmap-all", B, jnp.dtype(dtype).name), V, B=B, dtype=dtype)
     f = lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, **kw)
     got = jax.jit(jax.vmap(f))(q, k, idx, lse, qs)
-    np.testing.assert_array_equal(got, loop(q, k, idx, lse, qs, kw))
+    assert_same(got, loop(q, k, idx, lse, qs, kw))
     shapes = primitive_operand_shapes(jax.vmap(f), q, k, idx, lse, qs)
     Bc = B or 1
     assert shapes == [((V * Bc, 7, 5, 8), (V * Bc, 9, 1, 8), (V * Bc, 7, 1, 6), (V * Bc, 7, 5), (V * Bc,))]
@@ -76,7 +87,7 @@ def test_vmap_axes_anywhere_and_unmapped_operands():
     f = lambda q, i, l: attn_dist(q, k0, i, l, q_start_index=qs0, **kw)
     got = jax.vmap(f, in_axes=(2, -1, 1), out_axes=1)(qm, im, lm)  # [B, V, G, S, T]
     want = loop(q, jnp.broadcast_to(k0, k.shape), idx, lse, jnp.broadcast_to(qs0, qs.shape), kw)
-    np.testing.assert_array_equal(got, np.moveaxis(want, 0, 1))
+    assert_same(got, np.moveaxis(want, 0, 1))
     assert len(primitive_operand_shapes(jax.vmap(f, in_axes=(2, -1, 1)), qm, im, lm)) == 1
 
 
@@ -88,7 +99,7 @@ def test_vmap_only_q_start():
     offsets = jnp.asarray(np.random.default_rng(seed).integers(-3, 12, 5), jnp.int32)
     got = jax.vmap(lambda s: attn_dist(q, k, idx, lse, q_start_index=s, **kw))(offsets)
     want = np.stack([attn_dist(q, k, idx, lse, q_start_index=int(s), **kw) for s in offsets])
-    np.testing.assert_array_equal(got, want)
+    assert_same(got, want)
     assert not np.array_equal(want[0], want[-1]) or offsets[0] == offsets[-1]
 
 
@@ -101,7 +112,7 @@ def test_nested_vmap_is_one_bind():
     f = lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, **kw)
     ff = jax.vmap(jax.vmap(f))
     got = jax.jit(ff)(*args)
-    np.testing.assert_array_equal(np.asarray(got).reshape((V1 * V2,) + got.shape[2:]), loop(q, k, idx, lse, qs, kw))
+    assert_same(np.asarray(got).reshape((V1 * V2,) + got.shape[2:]), loop(q, k, idx, lse, qs, kw))
     shapes = primitive_operand_shapes(ff, *args)
     assert len(shapes) == 1 and shapes[0][0] == (V1 * V2, 7, 4, 8)
     # the inner vmap over q only (k, indices, lse, q_start broadcast), the outer over everything
@@ -111,7 +122,7 @@ def test_nested_vmap_is_one_bind():
     assert len(primitive_operand_shapes(g, args[0], *rest)) == 1
     for a in range(V1):
         for b in range(V2):
-            np.testing.assert_array_equal(
+            assert_same(
                 out[a, b], attn_dist(args[0][a, b], *(x[a] for x in rest[:3]), q_start_index=rest[3][a], **kw))
 
 
@@ -123,8 +134,8 @@ def test_vmap_of_public_unbatched_inputs_under_jit_and_size_zero():
     out = jax.vmap(f)(empty(q), empty(k), empty(idx), empty(lse))
     assert out.shape == (0, 1, 4, 3)
     out = jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))(jnp.stack([q, q]), k, idx, lse)
-    np.testing.assert_array_equal(out[0], f(q, k, idx, lse))
-    np.testing.assert_array_equal(out[1], out[0])
+    assert_same(out[0], f(q, k, idx, lse))
+    assert_same(out[1], out[0])
 
 
 @pytest.mark.parametrize("spec", [("v",), (None, "v"), ("v", None, "s"), (None, None, "s")],
@@ -144,7 +155,7 @@ def test_vmap_of_explicitly_sharded_inputs(spec):
     put = lambda x, n=3: jax.device_put(np.asarray(x), NamedSharding(mesh, P(*spec[:n])))  # [V, B, S, ...]
     f = lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, **kw)
     got = jax.jit(jax.vmap(f))(put(q), put(k, 2), put(idx), put(lse), put(qs, 2))  # k: S is not its axis 2
-    np.testing.assert_allclose(np.asarray(got), loop(q, k, idx, lse, qs, kw), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(got), loop(q, k, idx, lse, qs, kw), rtol=1e-5, atol=1e-7)
     want = tuple(spec) + (None,) * (5 - len(spec))
     want = (want[0], want[1], None, want[2], None)
     assert tuple(got.sharding.spec) + (None,) * (5 - len(got.sharding.spec)) == want
