@@ -7,6 +7,7 @@ registered (``kernel_available()``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -120,8 +121,11 @@ def test_kernel_vmap_equals_loop_bitwise():
 # command buffers (CUDA graphs)
 # ----------------------------------------------------------------------------
 
-CB_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-NO_CB_FLAGS = "--xla_gpu_enable_command_buffer="  # empty list: no command buffers
+# XLA runs command buffers op by op while a profiler is attached unless told
+# otherwise; the children profile a few calls to see where the kernel ran.
+_PROFILE_FLAGS = " --xla_enable_command_buffers_during_profiling=true"
+CB_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" + _PROFILE_FLAGS
+NO_CB_FLAGS = "--xla_gpu_enable_command_buffer=" + _PROFILE_FLAGS  # empty list: no command buffers
 
 _CHILD = r"""
 import sys
@@ -151,6 +155,32 @@ for run in range(6):  # graph capture / instantiation, then replays with other b
     results[f"out{run}"] = np.asarray(out)
     results[f"sum{run}"] = np.asarray(sums)
 np.savez(out_npz, **results)
+
+# where did the kernel run? A profile of a few more calls: kernel activity
+# launched from a CUDA graph carries a graph id; graph launches show up as API calls
+import glob, gzip, json, os
+prof_dir = sys.argv[3]
+try:
+    with jax.profiler.trace(prof_dir):
+        for run in range(4):
+            jax.block_until_ready(f(*sets[run % 2]))
+    files = sorted(glob.glob(os.path.join(prof_dir, "**", "*.trace.json.gz"), recursive=True))
+    with gzip.open(files[-1]) as fh:
+        events = json.load(fh)["traceEvents"]
+    kernel = [e for e in events if "attn_dist" in str(e.get("name", ""))]
+    in_graph = lambda e: any("graph" in str(key).lower() and str(val) not in ("0", "", "None", "-1")
+                             for key, val in (e.get("args") or {}).items())
+    summary = dict(
+        kernel_events=len(kernel),
+        kernel_events_in_graph=sum(map(in_graph, kernel)),
+        graph_launch_events=sum("graphlaunch" in str(e.get("name", "")).lower() for e in events),
+        kernel_args=[e.get("args") for e in kernel[:4]],
+        error=None,
+    )
+except Exception as e:  # a profiler problem must not hide the results above
+    summary = dict(error=repr(e))
+with open(prof_dir + ".json", "w") as fh:
+    json.dump(summary, fh, default=str)
 """
 
 
@@ -163,11 +193,12 @@ def _run_child(flags: str, workdir: str, tag: str):
     env["XLA_FLAGS"] = " ".join(kept + flags.split() + [f"--xla_dump_to={dump}"])
     env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     npz, hlo = os.path.join(workdir, f"{tag}.npz"), os.path.join(workdir, f"{tag}.hlo.txt")
-    r = subprocess.run([sys.executable, "-c", _CHILD, npz, hlo], env=env, cwd=workdir,
+    prof = os.path.join(workdir, f"profile_{tag}")
+    r = subprocess.run([sys.executable, "-c", _CHILD, npz, hlo, prof], env=env, cwd=workdir,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"child ({flags}) failed:\n{r.stderr[-4000:]}"
-    with open(hlo) as fh:
-        return dict(np.load(npz)), fh.read(), dump
+    with open(hlo) as fh, open(prof + ".json") as fp:
+        return dict(np.load(npz)), fh.read(), dump, json.load(fp)
 
 
 def _dump_texts(dump_dir):
@@ -183,9 +214,9 @@ def _dump_texts(dump_dir):
 @pytest.fixture(scope="module")
 def cmdbuf_runs():
     with tempfile.TemporaryDirectory() as d:
-        on, hlo_on, dump_on = _run_child(CB_FLAGS, d, "on")
-        off, hlo_off, dump_off = _run_child(NO_CB_FLAGS, d, "off")
-        yield dict(on=on, off=off, hlo_on=hlo_on, hlo_off=hlo_off,
+        on, hlo_on, dump_on, prof_on = _run_child(CB_FLAGS, d, "on")
+        off, hlo_off, dump_off, prof_off = _run_child(NO_CB_FLAGS, d, "off")
+        yield dict(on=on, off=off, hlo_on=hlo_on, hlo_off=hlo_off, prof_on=prof_on, prof_off=prof_off,
                    dumps_on=_dump_texts(dump_on), dumps_off=_dump_texts(dump_off))
 
 
@@ -235,16 +266,21 @@ def _capture_evidence(hlo: str, dumps: dict):
     "fusions included, with these flags; capture of the custom call is not demonstrated yet. "
     "The results with the flags on and off are bit-identical (test above)."))
 def test_command_buffer_captures_the_custom_call(cmdbuf_runs):
-    """With command buffers on, the custom call is inside one (evidence in the
-    optimised HLO or XLA's dumps); with them off, the same search finds
-    nothing (a control for the search itself)."""
+    """With command buffers on, the custom call is inside one: evidence in the
+    optimised HLO, in XLA's dumps, or in a profile (the kernel's activity
+    carries a CUDA graph id); with them off, the same searches find nothing
+    (a control for the searches themselves)."""
     assert FFI_TARGET in cmdbuf_runs["hlo_on"] and FFI_TARGET in cmdbuf_runs["hlo_off"]
     in_hlo, in_dumps = _capture_evidence(cmdbuf_runs["hlo_on"], cmdbuf_runs["dumps_on"])
     off_hlo, off_dumps = _capture_evidence(cmdbuf_runs["hlo_off"], cmdbuf_runs["dumps_off"])
+    prof_on, prof_off = cmdbuf_runs["prof_on"], cmdbuf_runs["prof_off"]
+    in_profile = prof_on.get("kernel_events_in_graph", 0) > 0
     comps = [n for n in _computations(cmdbuf_runs["hlo_on"]) if "command_buffer" in n]
-    assert in_hlo or in_dumps, (
+    assert in_hlo or in_dumps or in_profile, (
         "no evidence that the custom call was captured into a command buffer.\n"
         f"command_buffer computations in the HLO: {comps}\n"
+        f"profile with command buffers: {prof_on}\nprofile without: {prof_off}\n"
         f"dump files: {sorted(cmdbuf_runs['dumps_on'])[:60]}"
     )
     assert not off_hlo and not off_dumps, f"the search also matches without command buffers: {off_hlo} {off_dumps}"
+    assert prof_off.get("kernel_events_in_graph", 0) == 0, f"graph ids without command buffers: {prof_off}"
