@@ -261,10 +261,6 @@ def _capture_evidence(hlo: str, dumps: dict):
     return in_hlo, in_dumps
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "On the H100 with jax 0.11.2 (2026-11-22) XLA formed no command buffer in this program at all, "
-    "fusions included, with these flags; capture of the custom call is not demonstrated yet. "
-    "The results with the flags on and off are bit-identical (test above)."))
 def test_command_buffer_captures_the_custom_call(cmdbuf_runs):
     """With command buffers on, the custom call is inside one: evidence in the
     optimised HLO, in XLA's dumps, or in a profile (the kernel's activity
