@@ -186,7 +186,8 @@ def _vjp_bwd(sm_scale, causal, k_stride, lse_base, implementation, residuals, g)
         attn_dist_bwd_canonical, sm_scale=sm_scale, causal=causal, k_stride=k_stride, lse_base=lse_base,
     )
     dq, dk, dlse = run_with_auto_axes(
-        bwd, (q, k, indices, lse, q_start, g), lambda: (dim_specs(q), dim_specs(k), dim_specs(lse)),
+        bwd, (q, k, indices, lse, q_start, g),
+        lambda: tuple(jax.sharding.PartitionSpec(*dim_specs(x)) for x in (q, k, lse)),
     )
     return dq, dk, None, dlse, None  # indices, q_start: integer, no gradient
 
@@ -219,20 +220,17 @@ def dim_specs(x) -> tuple:
     return spec + (None,) * (x.ndim - len(spec))
 
 
-def run_with_auto_axes(fn, args, out_specs):
+def run_with_auto_axes(fn, args, out_sharding):
     """``fn(*args)``; when an operand is typed with Explicit mesh axes, runs it
     under ``jax.sharding.auto_axes`` over those axes with outputs sharded as
-    ``out_specs()`` (a tuple of per-dimension spec tuples, or one)."""
+    ``out_sharding()`` (a PartitionSpec, or a tuple of them for several outputs;
+    PartitionSpec objects, so that a compound entry like ("a", "b") in one
+    output's spec is never mistaken for several outputs)."""
     mesh, axes = _explicit_axes(args)
     if not axes:
         return fn(*args)
-    specs = out_specs()
-    out_sharding = (
-        tuple(jax.sharding.PartitionSpec(*s) for s in specs)
-        if specs and isinstance(specs[0], tuple) else jax.sharding.PartitionSpec(*specs)
-    )
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding)(*args)
+        return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding())(*args)
 
 
 _attn_dist_vjp.defvjp(_vjp_fwd, _vjp_bwd)

@@ -50,11 +50,11 @@ def attn_dist_batch_rule(batched_args, batch_dims, **params):
         out = attn_dist_p.bind(*merged, **params)
         return out.reshape((V, B) + tuple(out.shape[1:]))
 
-    def out_specs():  # [V, B, G, S, T]: V, B, S as q, T as indices
+    def out_sharding():  # [V, B, G, S, T]: V, B, S as q, T as indices
         q_spec, i_spec = dim_specs(front[0]), dim_specs(front[2])
-        return (q_spec[0], q_spec[1], None, q_spec[2], i_spec[4])
+        return jax.sharding.PartitionSpec(q_spec[0], q_spec[1], None, q_spec[2], i_spec[4])
 
-    return run_with_auto_axes(fold, front, out_specs), 0
+    return run_with_auto_axes(fold, front, out_sharding), 0
 
 
 batching.primitive_batchers[attn_dist_p] = attn_dist_batch_rule

@@ -159,3 +159,21 @@ def test_vmap_of_explicitly_sharded_inputs(spec):
     want = tuple(spec) + (None,) * (5 - len(spec))
     want = (want[0], want[1], None, want[2], None)
     assert tuple(got.sharding.spec) + (None,) * (5 - len(got.sharding.spec)) == want
+
+
+def test_vmap_over_a_compound_mesh_axis():
+    """The vmapped axis sharded over two Explicit mesh axes at once
+    (P(("v", "s"))): one output whose spec starts with a tuple must not be
+    taken for several outputs (it was, and raised a TypeError)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = jax.devices("cpu")
+    if len(devices) < 8:
+        pytest.skip("needs 8 CPU devices (tests/conftest.py sets --xla_force_host_platform_device_count=8)")
+    mesh = jax.make_mesh((2, 4), ("v", "s"), devices=devices[:8])
+    q, k, idx, lse, qs, kw = stack_inputs(seed_of("vmap-compound"), 8, B=1, S=4, dtype=F32)
+    put = lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, P(("v", "s"))))
+    f = lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, **kw)
+    got = jax.jit(jax.vmap(f))(put(q), put(k), put(idx), put(lse), put(qs))
+    np.testing.assert_allclose(np.asarray(got), loop(q, k, idx, lse, qs, kw), rtol=1e-5, atol=1e-7)
+    assert tuple(got.sharding.spec)[0] == ("v", "s")
