@@ -17,6 +17,7 @@ import numbers
 from typing import Any, Optional, Tuple
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 #: Heads per output group: ``out[g]`` sums heads ``64g .. min(64g+64, H)-1``.
@@ -115,6 +116,14 @@ def check_sm_scale(sm_scale: Any) -> float:
     if not (math.isfinite(value) and value > 0.0):
         raise ValueError(
             f"attn_dist: `sm_scale` must be a finite positive float, got {value!r}"
+        )
+    # It is used in float32, also as sm_scale * log2(e): both must stay finite and > 0.
+    with np.errstate(over="ignore", under="ignore"):
+        f32 = (np.float32(value), np.float32(value * math.log2(math.e)))
+    if not all(np.isfinite(x) and x > 0 for x in f32):
+        raise ValueError(
+            f"attn_dist: `sm_scale` must be representable in float32 (finite and > 0, "
+            f"also times log2(e)), got {value!r}"
         )
     return value
 
@@ -299,7 +308,7 @@ def check_q_start_index(q_start_index: Any, problem: Problem):
     arrays to int32."""
     if isinstance(q_start_index, (bool, np.bool_)):
         raise TypeError("attn_dist: `q_start_index` must be an int or an int32 array, got a bool")
-    if isinstance(q_start_index, (int, np.integer)) and not hasattr(q_start_index, "shape"):
+    if isinstance(q_start_index, int):
         value = int(q_start_index)
         if not (_INT32_MIN <= value <= _INT32_MAX):
             raise ValueError(
@@ -317,6 +326,19 @@ def check_q_start_index(q_start_index: Any, problem: Problem):
             "attn_dist: `q_start_index` must have an integer dtype (it is cast to "
             f"int32), got {_dtype_name(dt)}"
         )
+    info = jnp.iinfo(dt)
+    if info.min < _INT32_MIN or info.max > _INT32_MAX:  # the cast to int32 could wrap
+        if isinstance(q_start_index, jax.core.Tracer):
+            raise TypeError(
+                "attn_dist: a traced `q_start_index` must be int32 (or narrower), got "
+                f"{_dtype_name(dt)}, whose values cannot be range-checked at trace time"
+            )
+        values = np.asarray(q_start_index)
+        if values.size and (values.min() < _INT32_MIN or values.max() > _INT32_MAX):
+            raise ValueError(
+                f"attn_dist: `q_start_index` must fit in int32, got values in "
+                f"[{values.min()}, {values.max()}]"
+            )
     shape = tuple(int(d) for d in q_start_index.shape)
     if shape == ():
         return q_start_index
