@@ -51,6 +51,7 @@ and XLA partitions it over the automatic axes like any other op.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Sequence, Tuple
 
 import jax
@@ -142,11 +143,16 @@ def _spec(sharding, mesh, ndim: int) -> Tuple[Tuple[str, ...], ...]:
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec)
     elif sharding is not None and not mesh.empty:
-        try:
+        try:  # private jax API: a jax that moves it must not silently gather everything
             from jax._src.sharding_impls import parse_flatten_op_sharding
 
-            hlo = sharding._to_xla_hlo_sharding(ndim)
-            spec = tuple(parse_flatten_op_sharding(hlo, mesh)[0])
+            to_hlo = sharding._to_xla_hlo_sharding
+        except (ImportError, AttributeError) as e:
+            _warn_once(f"cannot read operand shardings with this jax ({e}); every operand of a sharded "
+                       "attn_dist call is gathered (correct, but slow)")
+            return ((),) * ndim
+        try:
+            spec = tuple(parse_flatten_op_sharding(to_hlo(ndim), mesh)[0])
         except Exception:  # not expressible in whole mesh axes
             spec = None
     if spec is None:
@@ -314,9 +320,17 @@ def register_partitioned_lowering(outer_p, inner_p) -> None:
     # supplies it only for jaxprs holding a primitive of this registry (a
     # private one, used the same way by jax's own cuDNN wrappers and by
     # TransformerEngine). Without it, multi-device lowering fails.
-    from jax._src import dispatch
+    try:
+        from jax._src import dispatch
 
-    dispatch.prim_requires_devices_during_lowering.add(outer_p)
+        dispatch.prim_requires_devices_during_lowering.add(outer_p)
+    except (ImportError, AttributeError) as e:  # private: must never break the import
+        _warn_once(f"jax internals changed ({e}); attn_dist may fail to lower for several devices")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn("jax_attn_dist.sharding: " + message, RuntimeWarning, stacklevel=3)
 
 
 def _decide(mesh, arg_shapes) -> Decision:
