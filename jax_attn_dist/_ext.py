@@ -30,6 +30,10 @@ def _installed_extension():
         dist = importlib.metadata.distribution("jax_attn_dist")
     except importlib.metadata.PackageNotFoundError:
         return None
+    from jax_attn_dist import __version__
+
+    if dist.version != __version__:  # its FFI contract may differ from this source tree's
+        return None
     for f in dist.files or ():
         if f.parent.name == "jax_attn_dist" and f.name.startswith("_cuda.") and f.suffix in (".so", ".pyd"):
             spec = importlib.util.spec_from_file_location("jax_attn_dist._cuda", f.locate())
