@@ -31,7 +31,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_attn_dist
 from jax_attn_dist import synthetic

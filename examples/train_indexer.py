@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 try:

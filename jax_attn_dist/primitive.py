@@ -46,7 +46,6 @@ attn_dist_p.multiple_results = False
 attn_dist_local_p = Primitive("attn_dist_local")
 attn_dist_local_p.multiple_results = False
 
-_PARAM_NAMES = ("sm_scale", "causal", "k_stride", "lse_base", "implementation")
 
 
 # ----------------------------------------------------------------------------

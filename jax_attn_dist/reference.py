@@ -19,7 +19,6 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _contract
 from ._contract import HEADS_PER_GROUP, Problem
@@ -193,7 +192,6 @@ def exact_lse_canonical(
     problem = _contract.check_canonical(q, k, indices, lse_dummy, q_start)
     if problem.is_empty:
         return jnp.full((B, S, H), empty_value, jnp.float32)
-    HK, T = problem.HK, problem.T
     R = B * S
     C = chunk_rows(problem)
 

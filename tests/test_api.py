@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_attn_dist
-from jax_attn_dist import _ext, attn_dist, attn_dist_p, attn_dist_reference, kernel_available, kernel_supports
+from jax_attn_dist import _ext, attn_dist, attn_dist_p, attn_dist_reference, kernel_supports
 from jax_attn_dist import primitive as primitive_mod
 from jax_attn_dist._contract import Problem, check_problem
 

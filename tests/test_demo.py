@@ -63,11 +63,10 @@ def test_demo_help(capsys):
         assert opt in out
 
 
-def test_demo_cuda_without_kernel_fails_cleanly(capsys):
-    from jax_attn_dist import kernel_available
+def test_demo_cuda_without_kernel_fails_cleanly(capsys, monkeypatch):
+    from jax_attn_dist import _ext
 
-    if kernel_available():
-        pytest.skip("kernel available")
+    monkeypatch.setattr(_ext, "_state", (False, "not built (test)"))
     rc = demo.main(["-S", "4", "-N", "8", "--heads", "2", "--topk", "2", "--dim", "576", "--implementation", "cuda"])
     assert rc != 0
     assert "not available" in capsys.readouterr().err

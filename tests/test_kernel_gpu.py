@@ -4,7 +4,6 @@ Every call writes into a NaN-poisoned output (see kernel_cases.py), so an
 element the kernel leaves unwritten fails.
 """
 
-import math
 
 import jax
 import jax.numpy as jnp
