@@ -37,10 +37,10 @@ from . import _contract
 from ._contract import HEADS_PER_GROUP, Problem
 from .reference import (
     _CHUNK_BYTES,
-    _MAX_CHUNK_ROWS,
     _causal_parts,
     _probabilities,
     _valid_slots,
+    chunk_rows,
 )
 
 LN2 = math.log(2.0)
@@ -48,21 +48,17 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def backward_chunk_rows(problem: Problem) -> int:
-    """Query rows per backward chunk (>= 1): the reference's byte budget, with
-    the backward's larger per-row temporaries (gathered keys in their dtype and
-    in float32, their float32 dk contribution, and about six float32 [H, T]
-    arrays)."""
+    """Query rows per backward chunk (>= 1): ``reference.chunk_rows`` with this
+    module's byte budget (tests lower it) and the backward's larger per-row
+    temporaries (gathered keys in their dtype and in float32, their float32 dk
+    contribution, and about six float32 [H, T] arrays)."""
     itemsize = jnp.dtype(problem.dtype).itemsize
     per_row = (
         problem.HK * problem.T * problem.D * (itemsize + 8)
         + 6 * problem.H * problem.T * 4
         + 2 * problem.H * problem.D * 4
     )
-    rows = max(1, _CHUNK_BYTES // max(per_row, 1))
-    rows = min(rows, _MAX_CHUNK_ROWS, max(problem.B * problem.S, 1))
-    if rows >= 16:
-        rows -= rows % 8
-    return int(rows)
+    return chunk_rows(problem, per_row_bytes=per_row, budget=_CHUNK_BYTES)
 
 
 def attn_dist_bwd_canonical(

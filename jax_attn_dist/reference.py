@@ -34,11 +34,17 @@ _MAX_CHUNK_ROWS = 1024
 LOG2E = math.log2(math.e)
 
 
-def chunk_rows(problem: Problem) -> int:
-    """Query rows per chunk for this problem (>= 1)."""
-    itemsize = jnp.dtype(problem.dtype).itemsize
-    per_row = problem.HK * problem.T * problem.D * itemsize + 3 * problem.H * problem.T * 4
-    rows = max(1, _CHUNK_BYTES // max(per_row, 1))
+def chunk_rows(problem: Problem, per_row_bytes: Optional[int] = None, budget: Optional[int] = None) -> int:
+    """Query rows per chunk for this problem (>= 1): ``budget`` bytes
+    (default ``_CHUNK_BYTES``) of temporaries at ``per_row_bytes`` per query
+    row (default: the forward's gathered keys plus three float32 [H, T]
+    arrays)."""
+    if per_row_bytes is None:
+        itemsize = jnp.dtype(problem.dtype).itemsize
+        per_row_bytes = problem.HK * problem.T * problem.D * itemsize + 3 * problem.H * problem.T * 4
+    if budget is None:
+        budget = _CHUNK_BYTES
+    rows = max(1, budget // max(per_row_bytes, 1))
     rows = min(rows, _MAX_CHUNK_ROWS, max(problem.B * problem.S, 1))
     if rows >= 16:
         rows -= rows % 8
