@@ -37,9 +37,8 @@ from . import _contract
 from ._contract import HEADS_PER_GROUP, Problem
 from .reference import (
     _CHUNK_BYTES,
-    _causal_parts,
+    _chunk_scores,
     _probabilities,
-    _valid_slots,
     chunk_rows,
 )
 
@@ -80,34 +79,21 @@ def attn_dist_bwd_canonical(
     C = min(int(chunk), R) if chunk else backward_chunk_rows(problem)
     n_chunks = -(-R // C)
 
-    q_flat = q.reshape(R, HK, Hg, D)
-    i_flat = indices.reshape(R, HK, T)
     lse_flat = lse.reshape(R, HK, Hg)
     g_flat = g.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(R, G, T)
-    qq, qr = _causal_parts(q_start, k_stride)
     kh = jnp.arange(HK, dtype=jnp.int32)
     c = 1.0 if lse_base == "e" else LN2
-    precision = _HIGHEST if problem.dtype == jnp.dtype(jnp.float32) else None
 
     def chunk_grads(i, start):
         """dq rows (q dtype), dlse rows, and this chunk's dk scatter-add
         (rows before the nominal start ``i * C`` were done by the previous
         chunk: the last chunk may overlap it and adds nothing for them)."""
-        q_rows = jax.lax.dynamic_slice_in_dim(q_flat, start, C, axis=0)
-        i_rows = jax.lax.dynamic_slice_in_dim(i_flat, start, C, axis=0)
         lse_rows = jax.lax.dynamic_slice_in_dim(lse_flat, start, C, axis=0)
         g_rows = jax.lax.dynamic_slice_in_dim(g_flat, start, C, axis=0)  # [C, G, T]
-        rows = start + jnp.arange(C, dtype=jnp.int32)
-        b_rows = rows // S
-        s_rows = rows - b_rows * S
-        valid, idx_c = _valid_slots(i_rows, b_rows, s_rows, qq, qr, N=N, causal=causal, k_stride=k_stride)
-
-        # the forward's scores, recomputed the same way (reference._chunk_scores)
-        kg = k.at[b_rows[:, None, None], idx_c, kh[None, :, None]].get(mode="promise_in_bounds")
-        acc = jnp.einsum(
-            "rkhd,rktd->rkht", q_rows, kg, preferred_element_type=jnp.float32, precision=precision,
-        )
-        p = _probabilities(acc, valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
+        # the forward's scores, recomputed by the reference's own code
+        scores = _chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
+        valid, idx_c, kg, q_rows, rows = scores.valid, scores.idx_c, scores.kg, scores.q_rows, scores.rows
+        p = _probabilities(scores.acc, valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
 
         # G per head: group g(h) = h // 64 of head h = kh * Hg + hh
         g_heads = jnp.repeat(g_rows, HEADS_PER_GROUP, axis=1, total_repeat_length=G * HEADS_PER_GROUP)
@@ -127,7 +113,7 @@ def attn_dist_bwd_canonical(
             "rkht,rkhd->rktd", dz_new, q_rows.astype(jnp.float32), precision=_HIGHEST,
         )  # [C, HK, T, D]
         target = jnp.where(valid, idx_c, N)  # invalid slots: out of bounds, dropped
-        return dq_rows.astype(q.dtype), dlse_rows, (b_rows, target, dk_rows)
+        return dq_rows.astype(q.dtype), dlse_rows, (scores.b_rows, target, dk_rows)
 
     def add_dk(dk, update):
         b_rows, target, dk_rows = update

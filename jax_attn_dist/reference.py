@@ -15,7 +15,7 @@ its inputs in place (no padded copy of ``q``): the last chunk starts at
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -100,10 +100,21 @@ def _valid_slots(idx, b_rows, s_rows, qq, qr, *, N: int, causal: bool, k_stride:
     return in_range & (lhs <= qq_r[:, None, None]), idx_c
 
 
+class ChunkScores(NamedTuple):
+    """One chunk of query rows ``start .. start+C-1`` (rows of the flattened
+    [B*S]) and its raw scores; ``r`` indexes the chunk's rows."""
+
+    acc: jax.Array     # [C, HK, Hg, T] float32: q.k (bf16 products, float32 accumulation)
+    valid: jax.Array   # [C, HK, T] bool: SPEC §2's slot validity
+    q_rows: jax.Array  # [C, HK, Hg, D] the chunk's query rows
+    kg: jax.Array      # [C, HK, T, D] gathered keys: kg[r, kh, j] = k[b_r, idx_c[r, kh, j], kh]
+    idx_c: jax.Array   # [C, HK, T] int32 indices clamped into [0, N-1]
+    rows: jax.Array    # [C] int32 row numbers in [0, B*S)
+    b_rows: jax.Array  # [C] int32 batch element of each row
+
+
 def _chunk_scores(q, k, indices, q_start, start, C: int, problem: Problem, *, causal: bool, k_stride: int):
-    """For query rows ``start .. start+C-1`` (rows of the flattened [B*S]):
-    the raw dot products ``acc[r, kh, hh, j]`` (float32, bf16 products with
-    float32 accumulation) and ``valid[r, kh, j]``."""
+    """The :class:`ChunkScores` of query rows ``start .. start+C-1``."""
     B, S, H, D, N, HK, T = (problem.B, problem.S, problem.H, problem.D, problem.N, problem.HK, problem.T)
     Hg = H // HK
     R = B * S
@@ -126,7 +137,7 @@ def _chunk_scores(q, k, indices, q_start, start, C: int, problem: Problem, *, ca
         "rkhd,rktd->rkht", q_rows, kg,
         preferred_element_type=jnp.float32, precision=precision,
     )
-    return acc, valid
+    return ChunkScores(acc, valid, q_rows, kg, idx_c, rows, b_rows)
 
 
 def _probabilities(acc, valid, lse_rows, *, sm_scale: float, lse_base: str):
@@ -175,9 +186,9 @@ def reference_canonical(
     lse_flat = lse.reshape(R, HK, Hg)
 
     def body(start):
-        acc, valid = _chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
+        scores = _chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
         lse_rows = jax.lax.dynamic_slice_in_dim(lse_flat, start, C, axis=0)
-        p = _probabilities(acc, valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
+        p = _probabilities(scores.acc, scores.valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
         return _group_sum(p.reshape(C, H, T), H)
 
     out = _row_chunked(body, R, C, (G, T), jnp.float32)  # [R, G, T]
@@ -202,7 +213,8 @@ def exact_lse_canonical(
     C = chunk_rows(problem)
 
     def body(start):
-        acc, valid = _chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
+        scores = _chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
+        acc, valid = scores.acc, scores.valid
         z = acc * jnp.float32(sm_scale)
         z = jnp.where(valid[:, :, None, :], z, -jnp.inf)
         m = jnp.max(z, axis=-1, keepdims=True)
