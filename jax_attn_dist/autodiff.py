@@ -93,12 +93,11 @@ def attn_dist_bwd_canonical(
         # the forward's scores, recomputed by the reference's own code
         scores = _chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
         valid, idx_c, kg, q_rows, rows = scores.valid, scores.idx_c, scores.kg, scores.q_rows, scores.rows
-        p = _probabilities(scores.acc, valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
+        p, keep = _probabilities(scores.acc, valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
 
         # G per head: group g(h) = h // 64 of head h = kh * Hg + hh
         g_heads = jnp.repeat(g_rows, HEADS_PER_GROUP, axis=1, total_repeat_length=G * HEADS_PER_GROUP)
         g_heads = g_heads[:, :H].reshape(C, HK, Hg, T)
-        keep = valid[:, :, None, :] & jnp.isfinite(lse_rows)[..., None]
         gp = jnp.where(keep, g_heads * p, jnp.float32(0.0))  # [C, HK, Hg, T]
 
         dlse_rows = (gp.sum(axis=-1) * jnp.float32(-c)).reshape(C, H)

@@ -141,7 +141,9 @@ def _chunk_scores(q, k, indices, q_start, start, C: int, problem: Problem, *, ca
 
 
 def _probabilities(acc, valid, lse_rows, *, sm_scale: float, lse_base: str):
-    """p[r, kh, hh, j] per SPEC §2 from the raw dot products; lse_rows [C, HK, Hg]."""
+    """``(p, keep)``: p[r, kh, hh, j] per SPEC §2 from the raw dot products
+    (lse_rows [C, HK, Hg]), and the mask ``keep`` (valid slot, finite lse)
+    outside which p is 0."""
     finite = jnp.isfinite(lse_rows)
     lse_safe = jnp.where(finite, lse_rows, 0.0)[..., None]
     if lse_base == "e":
@@ -149,7 +151,7 @@ def _probabilities(acc, valid, lse_rows, *, sm_scale: float, lse_base: str):
     else:
         p = jnp.exp2(acc * jnp.float32(sm_scale * LOG2E) - lse_safe)
     keep = valid[:, :, None, :] & finite[..., None]
-    return jnp.where(keep, p, jnp.float32(0.0))
+    return jnp.where(keep, p, jnp.float32(0.0)), keep
 
 
 def _group_sum(p, H: int):
@@ -188,7 +190,7 @@ def reference_canonical(
     def body(start):
         scores = _chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
         lse_rows = jax.lax.dynamic_slice_in_dim(lse_flat, start, C, axis=0)
-        p = _probabilities(scores.acc, scores.valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
+        p, _ = _probabilities(scores.acc, scores.valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
         return _group_sum(p.reshape(C, H, T), H)
 
     out = _row_chunked(body, R, C, (G, T), jnp.float32)  # [R, G, T]
