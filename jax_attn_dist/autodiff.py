@@ -39,6 +39,7 @@ from .reference import (
     _CHUNK_BYTES,
     _chunk_scores,
     _probabilities,
+    _row_loop,
     chunk_rows,
 )
 
@@ -77,16 +78,15 @@ def attn_dist_bwd_canonical(
     R = B * S
     Hg = H // HK
     C = min(int(chunk), R) if chunk else backward_chunk_rows(problem)
-    n_chunks = -(-R // C)
 
     lse_flat = lse.reshape(R, HK, Hg)
     g_flat = g.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(R, G, T)
     kh = jnp.arange(HK, dtype=jnp.int32)
     c = 1.0 if lse_base == "e" else LN2
 
-    def chunk_grads(i, start):
-        """dq rows (q dtype), dlse rows, and this chunk's dk scatter-add
-        (rows before the nominal start ``i * C`` were done by the previous
+    def chunk_grads(start, first_new, dk):
+        """dq rows (q dtype) and dlse rows, and ``dk`` plus this chunk's
+        scatter-add (rows before ``first_new`` were done by the previous
         chunk: the last chunk may overlap it and adds nothing for them)."""
         lse_rows = jax.lax.dynamic_slice_in_dim(lse_flat, start, C, axis=0)
         g_rows = jax.lax.dynamic_slice_in_dim(g_flat, start, C, axis=0)  # [C, G, T]
@@ -106,34 +106,17 @@ def attn_dist_bwd_canonical(
             "rkht,rktd->rkhd", dz, kg.astype(jnp.float32), precision=_HIGHEST,
         ).reshape(C, H, D)
 
-        fresh = rows >= i * C
+        fresh = rows >= first_new
         dz_new = jnp.where(fresh[:, None, None, None], dz, jnp.float32(0.0))
         dk_rows = jnp.einsum(
             "rkht,rkhd->rktd", dz_new, q_rows.astype(jnp.float32), precision=_HIGHEST,
         )  # [C, HK, T, D]
         target = jnp.where(valid, idx_c, N)  # invalid slots: out of bounds, dropped
-        return dq_rows.astype(q.dtype), dlse_rows, (scores.b_rows, target, dk_rows)
-
-    def add_dk(dk, update):
-        b_rows, target, dk_rows = update
-        return dk.at[b_rows[:, None, None], target, kh[None, :, None]].add(dk_rows, mode="drop")
+        dk = dk.at[scores.b_rows[:, None, None], target, kh[None, :, None]].add(dk_rows, mode="drop")
+        return (dq_rows.astype(q.dtype), dlse_rows), dk
 
     dk0 = jnp.zeros((B, N, HK, D), jnp.float32)
-    if n_chunks == 1:
-        dq, dlse, update = chunk_grads(jnp.int32(0), jnp.int32(0))
-        dk = add_dk(dk0, update)
-    else:
-        def step(i, carry):
-            dq, dlse, dk = carry
-            start = jnp.minimum(i * C, R - C).astype(jnp.int32)
-            dq_rows, dlse_rows, update = chunk_grads(i, start)
-            dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_rows, start, axis=0)
-            dlse = jax.lax.dynamic_update_slice_in_dim(dlse, dlse_rows, start, axis=0)
-            return dq, dlse, add_dk(dk, update)
-
-        init = (jnp.zeros((R, H, D), q.dtype), jnp.zeros((R, H), jnp.float32), dk0)
-        dq, dlse, dk = jax.lax.fori_loop(0, n_chunks, step, init)
-
+    (dq, dlse), dk = _row_loop(chunk_grads, R, C, [((H, D), q.dtype), ((H,), jnp.float32)], dk0)
     return dq.reshape(B, S, H, D), dk.astype(k.dtype), dlse.reshape(B, S, H)
 
 

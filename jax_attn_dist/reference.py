@@ -51,22 +51,42 @@ def chunk_rows(problem: Problem, per_row_bytes: Optional[int] = None, budget: Op
     return int(rows)
 
 
+def _row_loop(body: Callable, R: int, C: int, out_specs, carry):
+    """Runs ``body`` over chunks of ``C`` of the ``R`` rows; returns
+    ``(outs, carry)``. ``body(start, first_new, carry)`` computes rows
+    ``start .. start + C - 1`` and returns ``(blocks, carry)``: one block
+    ``[C, *tail]`` per ``(tail, dtype)`` of ``out_specs``, written into the
+    output ``[R, *tail]`` at ``start``, and the updated ``carry`` (e.g. an
+    accumulator). Chunks start at multiples of C except the last, at
+    ``R - C``: it may overlap the previous one, whose rows (those before
+    ``first_new``) it recomputes. ``start`` and ``first_new`` are traced int32
+    except when there is one chunk; then ``body``'s blocks are returned as
+    they are."""
+    if C >= R:
+        zero = jnp.int32(0)
+        return body(zero, zero, carry)
+    n_chunks = -(-R // C)
+
+    def step(i, state):
+        outs, carry = state
+        start = jnp.minimum(i * C, R - C).astype(jnp.int32)
+        blocks, carry = body(start, i * C, carry)
+        outs = tuple(
+            jax.lax.dynamic_update_slice_in_dim(out, block.astype(out.dtype), start, axis=0)
+            for out, block in zip(outs, blocks)
+        )
+        return outs, carry
+
+    outs = tuple(jnp.zeros((R,) + tuple(tail), dtype) for tail, dtype in out_specs)
+    return jax.lax.fori_loop(0, n_chunks, step, (outs, carry))
+
+
 def _row_chunked(body: Callable, R: int, C: int, tail_shape, dtype):
     """Returns ``concat([body(start) for start in chunk starts])`` as an array
     ``[R, *tail_shape]``, where ``body(start)`` computes rows
-    ``start .. start + C - 1`` (``start`` is a traced int32 except when there is
-    one chunk)."""
-    if C >= R:
-        return body(jnp.int32(0))
-    n_chunks = -(-R // C)
-
-    def step(i, out):
-        start = jnp.minimum(i * C, R - C).astype(jnp.int32)
-        block = body(start)
-        return jax.lax.dynamic_update_slice_in_dim(out, block.astype(dtype), start, axis=0)
-
-    out = jnp.zeros((R,) + tuple(tail_shape), dtype)
-    return jax.lax.fori_loop(0, n_chunks, step, out)
+    ``start .. start + C - 1`` (see :func:`_row_loop`)."""
+    (out,), _ = _row_loop(lambda start, _, carry: ((body(start),), carry), R, C, [(tail_shape, dtype)], None)
+    return out
 
 
 def _causal_parts(q_start, k_stride: int):
