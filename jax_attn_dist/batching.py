@@ -27,8 +27,8 @@ from __future__ import annotations
 import jax
 from jax.interpreters import batching
 
-from .autodiff import dim_specs, run_with_auto_axes
 from .primitive import attn_dist_p
+from .sharding import dim_specs, run_with_auto_axes
 
 
 def _to_front(x, axis, size: int):
