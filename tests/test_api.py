@@ -17,6 +17,7 @@ import jax_attn_dist
 from jax_attn_dist import _ext, attn_dist, attn_dist_p, attn_dist_reference, kernel_supports
 from jax_attn_dist import primitive as primitive_mod
 from jax_attn_dist._contract import Problem, check_problem
+from jaxpr_util import iter_eqns
 
 BF16 = jnp.bfloat16
 SDS = jax.ShapeDtypeStruct
@@ -62,16 +63,7 @@ def test_eval_shape_benchmark_size_is_fast():
 def _attn_dist_eqns(jaxpr):
     """The attn_dist_p equations of a jaxpr, inside sub-jaxprs too (the
     public function binds it inside a custom_vjp)."""
-    found = []
-    for e in jaxpr.eqns:
-        if e.primitive is attn_dist_p:
-            found.append(e)
-        for p in e.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", None)
-                if inner is not None:
-                    found += _attn_dist_eqns(inner if hasattr(inner, "eqns") else inner.jaxpr)
-    return found
+    return [e for e in iter_eqns(jaxpr) if e.primitive is attn_dist_p]
 
 
 @pytest.mark.parametrize("B", [None, 2])

@@ -18,8 +18,8 @@ from jax import export
 import oracle
 from inputs import make_inputs, seed_of
 from jax_attn_dist import attn_dist
+from jax_attn_dist._contract import FFI_TARGET
 
-FFI_TARGET = "jax_attn_dist_fwd"
 PLATFORMS = ["cuda", "cpu"]
 ALLOW_KERNEL = [export.DisabledSafetyCheck.custom_call(FFI_TARGET)]
 

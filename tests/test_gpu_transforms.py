@@ -22,7 +22,8 @@ import pytest
 import oracle
 from inputs import make_inputs, seed_of
 from jax_attn_dist import attn_dist, kernel_available
-from test_grad import assert_grad_close, plain_attn_dist
+from jax_attn_dist._contract import FFI_TARGET
+from grad_util import assert_grad_close, plain_attn_dist
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "gpu" or not kernel_available(),
@@ -30,7 +31,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-FFI_TARGET = "jax_attn_dist_fwd"
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from jax_attn_dist import attn_dist_p
+from jaxpr_util import iter_eqns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_indexer.py")
@@ -28,17 +29,7 @@ def count_attn_dist(jaxpr) -> int:
     """attn_dist binds on the primal path. A custom_vjp call also carries its
     forward rule as a jaxpr in newer jax (0.11: a second copy of the same
     computation, not a second execution): params named *fwd*/*bwd* are skipped."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive is attn_dist_p
-        for key, p in eqn.params.items():
-            if "fwd" in key or "bwd" in key:
-                continue
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", None)
-                if inner is not None:
-                    n += count_attn_dist(inner if hasattr(inner, "eqns") else inner.jaxpr)
-    return n
+    return sum(e.primitive is attn_dist_p for e in iter_eqns(jaxpr, skip_fwd_bwd=True))
 
 
 def test_train_steps_reduce_the_loss():

@@ -10,6 +10,7 @@ import pytest
 
 from inputs import make_inputs, seed_of
 from jax_attn_dist import attn_dist, attn_dist_p
+from jaxpr_util import iter_eqns
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -28,20 +29,8 @@ def assert_same(got, want):
 def primitive_operand_shapes(fn, *args):
     """The operand shapes of every attn_dist_p equation in fn's jaxpr
     (searched recursively through custom_vjp, jit, scan, ... sub-jaxprs)."""
-    found = []
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            if eqn.primitive is attn_dist_p:
-                found.append(tuple(tuple(v.aval.shape) for v in eqn.invars))
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    inner = getattr(sub, "jaxpr", None)
-                    if inner is not None:
-                        walk(inner if hasattr(inner, "eqns") else inner.jaxpr)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [tuple(tuple(v.aval.shape) for v in e.invars) for e in iter_eqns(jaxpr) if e.primitive is attn_dist_p]
 
 
 def stack_inputs(seed, V, *, B=None, S=7, H=5, D=8, N=9, T=6, HK=1, dtype=BF16, **kw):
