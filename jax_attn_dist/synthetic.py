@@ -179,7 +179,10 @@ def compare(out, ref):
     return rel, max_abs, max_ref
 
 
-def within_spec(out, ref, tol: float = 1e-4) -> bool:
+SPEC_TOLERANCE = 1e-4  # SPEC §3
+
+
+def within_spec(out, ref, tol: float = SPEC_TOLERANCE) -> bool:
     """SPEC §3: ||out-ref||/||ref|| <= tol and max|out-ref| <= tol * max|ref|."""
     rel, max_abs, max_ref = compare(out, ref)
     return rel <= tol and max_abs <= tol * max_ref

@@ -26,7 +26,8 @@ def main() -> int:
     if not paths:
         print("no compiled extension in the installed jax_attn_dist", file=sys.stderr)
         return 1
-    data = open(paths[0], "rb").read()
+    with open(paths[0], "rb") as f:
+        data = f.read()
     versions = cubin_sm_versions(data)
     ok = len(versions) >= 4 and set(versions) == {90} and b"-arch sm_90a" in data
     print(f"{paths[0]}: {len(versions)} CUDA ELF images, SM {sorted(set(versions))}, "
