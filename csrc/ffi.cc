@@ -1,12 +1,15 @@
 // XLA FFI handlers: re-validate what Python checked at trace time, then launch.
 // Errors are returned as ffi::Error, never aborts; no host synchronisation and
-// no allocation, so XLA may capture the call in a CUDA graph.
+// no allocation, so XLA may capture the calls in CUDA graphs.
 #include "ffi.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 
@@ -17,62 +20,91 @@ namespace ffi = xla::ffi;
 namespace attn_dist {
 namespace {
 
+constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+
 std::string Shape(ffi::Span<const int64_t> dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + "]";
 }
 
-ffi::Error Invalid(const std::string& msg) {
-  return ffi::Error::InvalidArgument("jax_attn_dist_fwd: " + msg);
-}
+// Errors name the FFI target they come from.
+struct Checker {
+  const char* target;
+
+  ffi::Error Invalid(const std::string& msg) const {
+    return ffi::Error::InvalidArgument(std::string(target) + ": " + msg);
+  }
+
+  ffi::Error Shape(const char* name, ffi::Span<const int64_t> got, std::initializer_list<int64_t> want,
+                   const char* layout) const {
+    bool ok = got.size() == want.size();
+    for (size_t i = 0; ok && i < want.size(); ++i) ok = got[i] == want.begin()[i];
+    if (ok) return ffi::Error::Success();
+    std::string w = "[";
+    size_t i = 0;
+    for (int64_t d : want) w += (i++ ? ", " : "") + std::to_string(d);
+    return Invalid(std::string(name) + " must have shape " + layout + " = " + w + "], got " +
+                   attn_dist::Shape(got));
+  }
+
+  ffi::Error Launched(LaunchStatus status, const char* detail) const {
+    switch (status) {
+      case LaunchStatus::kOk: return ffi::Error::Success();
+      case LaunchStatus::kInvalidProblem:
+      case LaunchStatus::kUnsupportedDim: return Invalid(detail);
+      case LaunchStatus::kTensorMapError: return ffi::Error::Internal(std::string(target) + ": " + detail);
+      case LaunchStatus::kLaunchError:
+        return ffi::Error::Internal(std::string(target) + ": kernel launch failed: " + detail);
+    }
+    return ffi::Error::Internal(std::string(target) + ": unknown launch status");
+  }
+};
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-ffi::Error CheckShape(const char* name, ffi::Span<const int64_t> got, std::initializer_list<int64_t> want,
-                      const char* layout) {
-  bool ok = got.size() == want.size();
-  for (size_t i = 0; ok && i < want.size(); ++i) ok = got[i] == want.begin()[i];
-  if (ok) return ffi::Error::Success();
-  std::string w = "[";
-  size_t i = 0;
-  for (int64_t d : want) w += (i++ ? ", " : "") + std::to_string(d);
-  return Invalid(std::string(name) + " must have shape " + layout + " = " + w + "], got " + Shape(got));
+template <size_t N>
+bool OneOf(int64_t v, const int (&set)[N]) {
+  return std::find(set, set + N, v) != set + N;
 }
 
-ffi::Error AttnDistFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
-                           ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> q_start,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, bool causal, int32_t k_stride,
-                           bool lse_base_e) {
+// ---------------------------------------------------------------------------
+// attn_dist
+// ---------------------------------------------------------------------------
+
+ffi::Error AttnDistFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
+                       ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> q_start,
+                       ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, bool causal, int32_t k_stride,
+                       bool lse_base_e) {
+  const Checker check{target};
   const auto qd = q.dimensions();
-  if (qd.size() != 4) return Invalid("q must be rank 4 [B, S, H, D], got " + Shape(qd));
+  if (qd.size() != 4) return check.Invalid("q must be rank 4 [B, S, H, D], got " + Shape(qd));
   const int64_t B = qd[0], S = qd[1], H = qd[2], D = qd[3];
   const auto kd = k.dimensions();
-  if (kd.size() != 4) return Invalid("k must be rank 4 [B, N, 1, D], got " + Shape(kd));
+  if (kd.size() != 4) return check.Invalid("k must be rank 4 [B, N, 1, D], got " + Shape(kd));
   const int64_t N = kd[1];
   const auto id = indices.dimensions();
-  if (id.size() != 4) return Invalid("indices must be rank 4 [B, S, 1, T], got " + Shape(id));
+  if (id.size() != 4) return check.Invalid("indices must be rank 4 [B, S, 1, T], got " + Shape(id));
   const int64_t T = id[3];
   const int64_t G = (H + kHeadsPerGroup - 1) / kHeadsPerGroup;
 
-  if (D != 512 && D != 576) return Invalid("the head dim D must be 512 or 576, got " + std::to_string(D));
-  if (H < 1) return Invalid("H must be >= 1, got " + std::to_string(H));
-  if (auto e = CheckShape("k", kd, {B, N, 1, D}, "[B, N, 1, D]"); e.failure()) return e;
-  if (auto e = CheckShape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
-  if (auto e = CheckShape("lse", lse.dimensions(), {B, S, H}, "[B, S, H]"); e.failure()) return e;
-  if (auto e = CheckShape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
-  if (auto e = CheckShape("out", out->dimensions(), {B, G, S, T}, "[B, G, S, T]"); e.failure()) return e;
+  if (!OneOf(D, kAttnDistHeadDims)) return check.Invalid("the head dim D must be 512 or 576, got " + std::to_string(D));
+  if (H < 1) return check.Invalid("H must be >= 1, got " + std::to_string(H));
+  if (auto e = check.Shape("k", kd, {B, N, 1, D}, "[B, N, 1, D]"); e.failure()) return e;
+  if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
+  if (auto e = check.Shape("lse", lse.dimensions(), {B, S, H}, "[B, S, H]"); e.failure()) return e;
+  if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
+  if (auto e = check.Shape("out", out->dimensions(), {B, G, S, T}, "[B, G, S, T]"); e.failure()) return e;
   if (!(std::isfinite(sm_scale) && sm_scale > 0.f))
-    return Invalid("sm_scale must be finite and > 0, got " + std::to_string(sm_scale));
-  if (k_stride < 1) return Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
+    return check.Invalid("sm_scale must be finite and > 0, got " + std::to_string(sm_scale));
+  if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
 
   if (out->element_count() == 0) return ffi::Error::Success();  // nothing to write, no launch
 
-  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   if (S > kIntMax || N > kIntMax || T > kIntMax || B * S * G > kIntMax)
-    return Invalid("problem too large: B * S * G, S, N and T must be < 2^31");
+    return check.Invalid("problem too large: B * S * G, S, N and T must be < 2^31");
   if (!Aligned16(q.untyped_data()) || !Aligned16(k.untyped_data()))
-    return Invalid("q and k must be 16-byte aligned");
+    return check.Invalid("q and k must be 16-byte aligned");
 
   AttnDistParams p{};
   p.batch = int(B);
@@ -94,14 +126,15 @@ ffi::Error AttnDistFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::B
   p.out = out->typed_data();
 
   const char* detail = "";
-  switch (run_attn_dist(p, stream, &detail)) {
-    case LaunchStatus::kOk: return ffi::Error::Success();
-    case LaunchStatus::kUnsupportedDim: return Invalid(detail);
-    case LaunchStatus::kTensorMapError: return ffi::Error::Internal(std::string("jax_attn_dist_fwd: ") + detail);
-    case LaunchStatus::kLaunchError:
-      return ffi::Error::Internal(std::string("jax_attn_dist_fwd: kernel launch failed: ") + detail);
-  }
-  return ffi::Error::Internal("jax_attn_dist_fwd: unknown launch status");
+  return check.Launched(run_attn_dist(p, stream, &detail), detail);
+}
+
+ffi::Error AttnDistFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
+                           ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> q_start,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, bool causal, int32_t k_stride,
+                           bool lse_base_e) {
+  return AttnDistFwd(kAttnDistTarget, stream, q, k, indices, lse, q_start, out, sm_scale, causal, k_stride,
+                     lse_base_e);
 }
 
 ffi::Error AttnDistFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
@@ -110,41 +143,151 @@ ffi::Error AttnDistFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ff
                                ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, bool causal,
                                int32_t k_stride, bool lse_base_e) {
   if (out_init.untyped_data() != out->untyped_data())
-    return Invalid("out_init must be aliased to the output (input_output_aliases={5: 0})");
-  return AttnDistFwdImpl(stream, q, k, indices, lse, q_start, out, sm_scale, causal, k_stride, lse_base_e);
+    return Checker{kAttnDistPoisonedTarget}.Invalid("out_init must be aliased to the output (input_output_aliases={5: 0})");
+  return AttnDistFwd(kAttnDistPoisonedTarget, stream, q, k, indices, lse, q_start, out, sm_scale, causal, k_stride,
+                     lse_base_e);
+}
+
+// ---------------------------------------------------------------------------
+// indexer_kl forward
+// ---------------------------------------------------------------------------
+
+ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q,
+                      ffi::Buffer<ffi::BF16> index_k, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
+                      ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                      ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
+                      bool causal, int32_t k_stride) {
+  const Checker check{target};
+  const auto qd = index_q.dimensions();
+  if (qd.size() != 4) return check.Invalid("index_q must be rank 4 [B, S, HI, DI], got " + Shape(qd));
+  const int64_t B = qd[0], S = qd[1], HI = qd[2], DI = qd[3];
+  const auto kd = index_k.dimensions();
+  if (kd.size() != 3) return check.Invalid("index_k must be rank 3 [B, N, DI], got " + Shape(kd));
+  const int64_t N = kd[1];
+  const auto id = indices.dimensions();
+  if (id.size() != 4) return check.Invalid("indices must be rank 4 [B, S, 1, T], got " + Shape(id));
+  const int64_t T = id[3];
+
+  if (!OneOf(DI, kIndexerHeadDims))
+    return check.Invalid("the indexer head dim DI must be 64 or 128, got " + std::to_string(DI));
+  if (HI < 1 || HI > kIndexerMaxHeads)
+    return check.Invalid("the indexer heads HI must be in [1, 256], got " + std::to_string(HI));
+  if (auto e = check.Shape("index_k", kd, {B, N, DI}, "[B, N, DI]"); e.failure()) return e;
+  if (auto e = check.Shape("weights", weights.dimensions(), {B, S, HI}, "[B, S, HI]"); e.failure()) return e;
+  if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
+  if (auto e = check.Shape("target", target_dist.dimensions(), {B, S, T}, "[B, S, T]"); e.failure()) return e;
+  if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
+  if (auto e = check.Shape("kl", kl->dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
+  if (auto e = check.Shape("lse", lse->dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
+  if (!(std::isfinite(scale) && scale > 0.f))
+    return check.Invalid("scale must be finite and > 0, got " + std::to_string(scale));
+  if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
+
+  if (B * S == 0) return ffi::Error::Success();  // no rows, no launch
+
+  if (S > kIntMax || N > kIntMax || T > kIntMax || B * S > kIntMax)
+    return check.Invalid("problem too large: B * S, N and T must be < 2^31");
+  if (!Aligned16(index_q.untyped_data()) || !Aligned16(index_k.untyped_data()))
+    return check.Invalid("index_q and index_k must be 16-byte aligned");
+
+  IndexerFwdParams p{};
+  p.batch = int(B);
+  p.s_q = int(S);
+  p.s_kv = int(N);
+  p.h_idx = int(HI);
+  p.d_idx = int(DI);
+  p.topk = int(T);
+  p.causal = causal;
+  p.k_stride = k_stride;
+  p.scale = scale;
+  p.index_q = index_q.untyped_data();
+  p.index_k = index_k.untyped_data();
+  p.weights = weights.typed_data();
+  p.indices = indices.typed_data();
+  p.target = target_dist.typed_data();
+  p.q_start = q_start.typed_data();
+  p.kl = kl->typed_data();
+  p.lse = lse->typed_data();
+
+  const char* detail = "";
+  return check.Launched(run_indexer_fwd(p, stream, &detail), detail);
+}
+
+ffi::Error IndexerFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
+                          ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
+                          ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                          ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
+                          bool causal, int32_t k_stride) {
+  return IndexerFwd(kIndexerFwdTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, kl, lse,
+                    scale, causal, k_stride);
+}
+
+ffi::Error IndexerFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
+                              ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
+                              ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                              ffi::Buffer<ffi::F32> kl_init, ffi::Buffer<ffi::F32> lse_init,
+                              ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                              float scale, bool causal, int32_t k_stride) {
+  if (kl_init.untyped_data() != kl->untyped_data() || lse_init.untyped_data() != lse->untyped_data())
+    return Checker{kIndexerFwdPoisonedTarget}.Invalid(
+        "kl_init and lse_init must be aliased to the outputs (input_output_aliases={6: 0, 7: 1})");
+  return IndexerFwd(kIndexerFwdPoisonedTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, kl,
+                    lse, scale, causal, k_stride);
+}
+
+// The operand lists, shared by each target and its poisoned twin.
+auto AttnDistOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()   // q
+      .Arg<ffi::Buffer<ffi::BF16>>()   // k
+      .Arg<ffi::Buffer<ffi::S32>>()    // indices
+      .Arg<ffi::Buffer<ffi::F32>>()    // lse
+      .Arg<ffi::Buffer<ffi::S32>>();   // q_start
+}
+
+template <class Binding>
+auto AttnDistResultsAndAttrs(Binding b) {
+  return std::move(b).template Ret<ffi::Buffer<ffi::F32>>()  // out
+      .template Attr<float>("sm_scale")
+      .template Attr<bool>("causal")
+      .template Attr<int32_t>("k_stride")
+      .template Attr<bool>("lse_base_e");
+}
+
+auto IndexerOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()   // index_q
+      .Arg<ffi::Buffer<ffi::BF16>>()   // index_k
+      .Arg<ffi::Buffer<ffi::F32>>()    // weights
+      .Arg<ffi::Buffer<ffi::S32>>()    // indices
+      .Arg<ffi::Buffer<ffi::F32>>()    // target
+      .Arg<ffi::Buffer<ffi::S32>>();   // q_start
+}
+
+template <class Binding>
+auto IndexerResultsAndAttrs(Binding b) {
+  return std::move(b).template Ret<ffi::Buffer<ffi::F32>>()  // kl
+      .template Ret<ffi::Buffer<ffi::F32>>()      // lse
+      .template Attr<float>("scale")
+      .template Attr<bool>("causal")
+      .template Attr<int32_t>("k_stride");
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAttnDistFwd, AttnDistFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Attr<float>("sm_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("k_stride")
-                                  .Attr<bool>("lse_base_e"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAttnDistFwd, AttnDistFwdImpl, AttnDistResultsAndAttrs(AttnDistOperands()),
                               {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAttnDistFwdInto, AttnDistFwdIntoImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // out_init (aliased to out)
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Attr<float>("sm_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("k_stride")
-                                  .Attr<bool>("lse_base_e"),
+                              AttnDistResultsAndAttrs(AttnDistOperands().Arg<ffi::Buffer<ffi::F32>>()),  // + out_init
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerFwd, IndexerFwdImpl, IndexerResultsAndAttrs(IndexerOperands()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerFwdInto, IndexerFwdIntoImpl,
+                              IndexerResultsAndAttrs(IndexerOperands()
+                                                         .Arg<ffi::Buffer<ffi::F32>>()    // kl_init
+                                                         .Arg<ffi::Buffer<ffi::F32>>()),  // lse_init
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace attn_dist

@@ -1,7 +1,14 @@
-// The Python extension: XLA FFI handler capsules for jax.ffi.register_ffi_target.
+// The Python extension: XLA FFI handler capsules for jax.ffi.register_ffi_target,
+// the build identity, and the kernels' coverage constants (checked against
+// jax_attn_dist/_contract.py by the tests).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
 
 #include "ffi.h"
+
+#ifndef JAX_ATTN_DIST_BUILD_ID
+#error "CMakeLists.txt defines JAX_ATTN_DIST_BUILD_ID (the hash of csrc/ and CMakeLists.txt)"
+#endif
 
 namespace nb = nanobind;
 
@@ -13,14 +20,28 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+template <size_t N>
+nb::tuple Ints(const int (&values)[N]) {
+  nb::list l;
+  for (int v : values) l.append(v);
+  return nb::tuple(l);
+}
+
 }  // namespace
 
 NB_MODULE(_cuda, m) {
   m.doc() = "jax_attn_dist CUDA (sm_90a) kernels as XLA FFI handlers";
   m.def("registrations", []() {
     nb::dict d;
-    d["jax_attn_dist_fwd"] = Capsule(attn_dist::kAttnDistFwd);
-    d["jax_attn_dist_fwd_into"] = Capsule(attn_dist::kAttnDistFwdInto);
+    d[attn_dist::kAttnDistTarget] = Capsule(attn_dist::kAttnDistFwd);
+    d[attn_dist::kAttnDistPoisonedTarget] = Capsule(attn_dist::kAttnDistFwdInto);
+    d[attn_dist::kIndexerFwdTarget] = Capsule(attn_dist::kIndexerFwd);
+    d[attn_dist::kIndexerFwdPoisonedTarget] = Capsule(attn_dist::kIndexerFwdInto);
     return d;
   });
+  m.def("build_id", []() { return JAX_ATTN_DIST_BUILD_ID; },
+        "SHA-256 of csrc/ and CMakeLists.txt at build time (see jax_attn_dist._ext.build_id_of)");
+  m.def("attn_dist_head_dims", []() { return Ints(attn_dist::kAttnDistHeadDims); });
+  m.def("indexer_head_dims", []() { return Ints(attn_dist::kIndexerHeadDims); });
+  m.def("indexer_max_heads", []() { return attn_dist::kIndexerMaxHeads; });
 }

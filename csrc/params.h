@@ -1,4 +1,4 @@
-// Plain data handed from the FFI handler to the kernel launcher.
+// Plain data handed from the FFI handlers to the kernel launchers.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,7 @@ namespace attn_dist {
 // out[g] sums the probabilities of heads 64g .. 64g+63.
 constexpr int kHeadsPerGroup = 64;
 
-// One problem in the canonical batched, row-major form:
+// attn_dist (docs/SPEC.md §2) in the canonical batched, row-major form:
 //   q [B, S, H, D] bf16, k [B, N, 1, D] bf16, indices [B, S, 1, T] int32,
 //   lse [B, S, H] f32, q_start [B] int32  ->  out [B, G, S, T] f32.
 struct AttnDistParams {
@@ -30,11 +30,32 @@ struct AttnDistParams {
   float* out;
 };
 
-// Which compiled variant serves a problem (D and the head tile are template
-// parameters of the kernel; see config.h).
-enum class LaunchStatus { kOk, kUnsupportedDim, kTensorMapError, kLaunchError };
+// indexer_kl's forward (docs/SPEC.md §5), canonical batched, row-major:
+//   index_q [B, S, HI, DI] bf16, index_k [B, N, DI] bf16, weights [B, S, HI] f32,
+//   indices [B, S, 1, T] int32, target [B, S, T] f32, q_start [B] int32
+//   ->  kl [B, S] f32, lse [B, S] f32 (log-sum-exp of the row's valid logits).
+struct IndexerFwdParams {
+  int batch, s_q, s_kv, h_idx, d_idx, topk;
 
-// Launches on `stream`; never synchronises, never allocates.
+  bool causal;
+  int k_stride;
+  float scale;             // logit = scale * sum_h weights * relu(z)
+
+  const void* index_q;     // cutlass::bfloat16_t
+  const void* index_k;     // cutlass::bfloat16_t
+  const float* weights;
+  const int32_t* indices;
+  const float* target;
+  const int32_t* q_start;
+  float* kl;
+  float* lse;
+};
+
+enum class LaunchStatus { kOk, kInvalidProblem, kUnsupportedDim, kTensorMapError, kLaunchError };
+
+// Launch on `stream`; never synchronise, never allocate. On failure `detail`
+// says why (a static string or one from cudaGetErrorString).
 LaunchStatus run_attn_dist(const AttnDistParams& params, cudaStream_t stream, const char** detail);
+LaunchStatus run_indexer_fwd(const IndexerFwdParams& params, cudaStream_t stream, const char** detail);
 
 }  // namespace attn_dist

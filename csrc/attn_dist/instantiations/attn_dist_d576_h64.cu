@@ -1,3 +1,3 @@
-#include "kernel.cuh"
+#include "../kernel.cuh"
 
 ATTN_DIST_INSTANTIATE(576, 64)

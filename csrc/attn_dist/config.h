@@ -1,14 +1,14 @@
 // Tile constants, shared-memory plan, barriers and TMA parameters of the SM90
 // attn_dist kernel.
 //
-// Orientation (differs from the seed, which put heads on M): each WGMMA is
+// Orientation (differs from the seed design, which put heads on M): each WGMMA is
 //   acc[key, head] (+)= K_tile[key, d] . Q_tile[head, d]
 // with M = 64 gathered keys and N = the CTA's head tile (64 or 128). Summing
 // over heads is then a sum along each accumulator ROW: 16/32 adds in a
 // thread's registers and two quad shuffles, in a fixed order (deterministic),
-// instead of the seed's column reduction with shared-memory atomics. It also
-// lets one CTA serve 128 heads, so each token's K rows are gathered once, not
-// once per 64-head group.
+// instead of a column reduction with shared-memory atomics. It also lets one
+// CTA serve 128 heads, so each token's K rows are gathered once, not once per
+// 64-head group.
 #pragma once
 
 #include <cstdint>
@@ -17,21 +17,14 @@
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
-#include <cutlass/bfloat16.h>
 
-#include "params.h"
+#include "../common/gather.cuh"
+#include "../params.h"
 
 namespace attn_dist {
 
-using bf16 = cutlass::bfloat16_t;
-
-constexpr int kBlockTopk = 64;      // gathered keys per block: the M of a WGMMA
-constexpr int kDimTile = 64;        // dims per pipeline stage: one 128-byte swizzle row
-constexpr int kWarpgroupThreads = 128;
 constexpr int kNumConsumers = 2;    // WG0 takes the even key blocks, WG1 the odd ones
 constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;  // + WG2, the producer
-constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90 opt-in limit per block
-constexpr int kSmemAlign = 1024;             // SW128 atoms repeat every 8 rows x 128 B
 
 // setmaxnreg moves registers between warpgroups within the CTA's launch
 // allocation (__launch_bounds__(384, 1): 168 per thread, 64512 in all), so the
@@ -59,17 +52,12 @@ struct Config {
       cute::Shape<cute::Int<HT>, cute::Int<kDimTile>, cute::Int<kDimTiles>>{}));
 
   static constexpr int kQBytes = HT * D * int(sizeof(bf16));
-  static constexpr int kStageBytes = kBlockTopk * kDimTile * int(sizeof(bf16));  // 8 KiB
   static constexpr int kBarrierBytes = 512;
   // Each consumer has its own ring of K stages (64 keys x 64 dims); the rest of
   // shared memory after Q goes to the two rings.
   static constexpr int kStages =
-      (kMaxDynamicSmem - kSmemAlign - kQBytes - kBarrierBytes) / (kNumConsumers * kStageBytes);
-  static_assert(kStages >= 2, "not enough shared memory for a K pipeline");
-
-  using SmemLayoutK = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
-      cute::Shape<cute::Int<kBlockTopk>, cute::Int<kDimTile>, cute::Int<kStages>>{}));
+      (kMaxDynamicSmem - kSmemAlign - kQBytes - kBarrierBytes) / (kNumConsumers * 64 * kDimTile * 2);
+  using Ring = GatherRing<kStages, kNumConsumers>;
 
   // One warpgroup, 64 x HT x 16 per instruction, both operands from shared memory.
   using TiledMma = decltype(cute::make_tiled_mma(
@@ -79,21 +67,12 @@ struct Config {
 
   struct SharedMemoryPlan {
     alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
-    alignas(kSmemAlign) bf16 k[kNumConsumers][cute::cosize_v<SmemLayoutK>];
-    // Barriers (all mbarriers, see Barriers below).
-    uint64_t q_ready[kDimTiles];                 // TMA of Q's dim tile landed
-    uint64_t k_full[kNumConsumers][kStages];     // producer's cp.async for a stage landed
-    uint64_t k_empty[kNumConsumers][kStages];    // consumer's WGMMAs finished reading a stage
+    alignas(kSmemAlign) bf16 k[kNumConsumers][Ring::kRingElems];
+    typename Ring::Barriers ring;
+    uint64_t q_ready[kDimTiles];  // TMA of Q's dim tile landed (one arrival + transaction bytes)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment
   static_assert(kSmemBytes <= kMaxDynamicSmem, "shared-memory plan too large");
-};
-
-// Arrival counts of the mbarriers in SharedMemoryPlan.
-struct Barriers {
-  static constexpr int kQReadyArrivals = 1;     // the issuing thread, + transaction bytes
-  static constexpr int kKFullArrivals = kWarpgroupThreads / kNumConsumers;  // each feeding thread's cp.async
-  static constexpr int kKEmptyArrivals = 4;     // one per consumer warp
 };
 
 // Passed by value as a __grid_constant__ kernel parameter.

@@ -1,6 +1,6 @@
-// Picks the compiled (D, head tile) variant for a problem.
+// Picks the compiled (D, head tile) variant of the attn_dist kernel.
+#include "../params.h"
 #include "config.h"
-#include "params.h"
 
 namespace attn_dist {
 

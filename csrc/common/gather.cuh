@@ -1,0 +1,145 @@
+// The gather pipeline shared by the kernels: a producer warpgroup copies the
+// key rows that a query row's top-k slots select into rings of shared-memory
+// stages, one ring per consumer warpgroup, where WGMMA reads them.
+//
+// A stage is one 64-key x 64-dim tile (8 KiB bf16, K-major, 128-byte swizzle:
+// a WGMMA operand). Consumer c takes the key blocks c, c + kConsumers, ...;
+// for each it needs kDims / 64 stages, in dim order. Invalid slots (per
+// RowSlots) are zero-filled without a read, so any index is safe.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/bfloat16.h>
+
+#include "slot_validity.cuh"
+
+namespace attn_dist {
+
+using bf16 = cutlass::bfloat16_t;
+
+constexpr int kDimTile = 64;            // dims per stage: one 128-byte swizzle row
+constexpr int kWarpgroupThreads = 128;
+constexpr int kSmemAlign = 1024;        // SW128 atoms repeat every 8 rows x 128 B
+constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90 opt-in limit per block
+
+template <int kStages_, int kConsumers_>
+struct GatherRing {
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumers = kConsumers_;
+  static constexpr int kFeeders = kWarpgroupThreads / kConsumers;  // producer threads per ring
+  static constexpr int kRowsPerFeeder = kBlockTopk * 8 / kFeeders;  // 8 feeders share a row (16 B each)
+  static constexpr int kStageElems = kBlockTopk * kDimTile;
+  static constexpr int kStageBytes = kStageElems * int(sizeof(bf16));
+  static_assert(kStages >= 2, "a ring needs at least two stages");
+  static_assert(kFeeders % 8 == 0 && kBlockTopk % (kFeeders / 8) == 0, "feeders must tile the stage");
+
+  using SmemLayout = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+      cute::Shape<cute::Int<kBlockTopk>, cute::Int<kDimTile>, cute::Int<kStages>>{}));
+
+  // mbarrier arrival counts.
+  static constexpr int kFullArrivals = kFeeders;  // each feeding thread's cp.async
+  static constexpr int kEmptyArrivals = 4;        // one per consumer warp
+
+  // The stage buffers are a plan member of their own, `alignas(kSmemAlign) bf16
+  // k[kConsumers][kRingElems]`; the barriers live apart from them, so that no
+  // alignment padding follows them.
+  static constexpr int kRingElems = int(cute::cosize_v<SmemLayout>);
+  struct Barriers {
+    uint64_t full[kConsumers][kStages];   // the producer's cp.async for a stage landed
+    uint64_t empty[kConsumers][kStages];  // the consumer's WGMMAs finished reading a stage
+  };
+
+  // One thread, before the CTA's first __syncthreads.
+  static __device__ __forceinline__ void init(Barriers& ring) {
+    for (int c = 0; c < kConsumers; ++c)
+      for (int i = 0; i < kStages; ++i) {
+        cutlass::arch::ClusterBarrier::init(&ring.full[c][i], kFullArrivals);
+        cutlass::arch::ClusterBarrier::init(&ring.empty[c][i], kEmptyArrivals);
+      }
+  }
+};
+
+// Ring position of a consumer's n-th stage use.
+template <int kStages>
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) { stage = 0; phase ^= 1; }
+  }
+};
+
+// Consumer side: wait until a stage has landed; release it (one lane per warp)
+// once the WGMMAs that read it have completed.
+template <class Ring>
+__device__ __forceinline__ void wait_stage_full(typename Ring::Barriers& ring, int consumer,
+                                                const RingPos<Ring::kStages>& pos) {
+  cutlass::arch::ClusterBarrier::wait(&ring.full[consumer][pos.stage], pos.phase);
+}
+
+template <class Ring>
+__device__ __forceinline__ void release_stage(typename Ring::Barriers& ring, int consumer, int stage, int lane) {
+  if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ring.empty[consumer][stage]);
+}
+
+// Producer side: kFeeders threads feed consumer `consumer`'s ring (`stages`:
+// its kStages stage buffers) with the key rows of its blocks, kDims / 64
+// stages per block. Thread `feeder` copies 16-byte chunk (feeder % 8) of rows
+// (feeder / 8) + (kFeeders / 8) * r of each stage. `keys` is this batch
+// element's [N, kDims] key rows.
+template <class Ring, int kDims>
+__device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::Barriers& ring,
+                                                  const RowSlots& slots, const bf16* keys, int consumer,
+                                                  int feeder) {
+  static_assert(kDims % kDimTile == 0, "key rows must be whole 64-dim tiles");
+  constexpr int kDimTiles = kDims / kDimTile;
+  constexpr int kRows = Ring::kRowsPerFeeder;
+  constexpr int kRowStep = Ring::kFeeders / 8;
+  const int chunk = feeder % 8;
+  const int row0 = feeder / 8;
+  // The 128-byte swizzle (Swizzle<3,4,3>) XORs the 16-byte chunk with row % 8,
+  // which is row0 % 8 for all of this thread's rows.
+  static_assert(kRowStep % 8 == 0, "each feeder's rows must share row % 8");
+  const int smem_chunk_elems = (chunk ^ (row0 % 8)) * 8;
+  const int num_blocks = slots.num_blocks();
+  RingPos<Ring::kStages> pos;
+
+  // The slot indices are loaded one block ahead: waiting for them at the start
+  // of each block stalled the gather for an L2 round trip per block.
+  int32_t next_index[kRows];
+  auto load_block_indices = [&](int block) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) next_index[r] = slots.load(block * kBlockTopk + row0 + kRowStep * r);
+  };
+  if (consumer < num_blocks) load_block_indices(consumer);
+  for (int block = consumer; block < num_blocks; block += Ring::kConsumers) {
+    int32_t key[kRows];  // -1: zero-fill, read nothing
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) key[r] = slots.key_if_valid(next_index[r]);
+    if (block + Ring::kConsumers < num_blocks) load_block_indices(block + Ring::kConsumers);
+    for (int dt = 0; dt < kDimTiles; ++dt) {
+      cutlass::arch::ClusterBarrier::wait(&ring.empty[consumer][pos.stage], pos.phase ^ 1);
+      bf16* stage = stages + pos.stage * Ring::kStageElems;
+      const bf16* k_tile = keys + dt * kDimTile + chunk * 8;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        // 64-bit row offset: key * kDims passes 2^31 for N > 3.7M at D = 576.
+        const bf16* src = k_tile + int64_t(key[r] >= 0 ? key[r] : 0) * kDims;
+        bf16* dst = stage + (row0 + kRowStep * r) * kDimTile + smem_chunk_elems;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+            *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst), key[r] >= 0);
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[consumer][pos.stage]);
+      pos.advance();
+    }
+  }
+  cute::cp_async_wait<0>();
+}
+
+}  // namespace attn_dist

@@ -1,0 +1,65 @@
+// Host-side helpers of the kernel launchers: the TMA map of a query tensor's
+// head tile and a launch whose error is the launch's own.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cutlass/cuda_host_adapter.hpp>
+
+#include "../params.h"
+
+namespace attn_dist {
+
+// A 4-D map over a row-major [B, S, H, D] bf16 tensor, dims (D, H, S, B),
+// box (64 dims, `head_tile` heads, 1, 1), 128-byte swizzle: one WGMMA operand
+// tile per copy. Heads past H are zero-filled.
+inline LaunchStatus encode_head_tile_map(CUtensorMap* map, const void* base, int D, int H, int S, int B,
+                                         int head_tile, const char** detail) {
+  const uint64_t dims[4] = {uint64_t(D), uint64_t(H), uint64_t(S), uint64_t(B)};
+  const uint64_t row = uint64_t(D) * 2;  // bytes
+  const uint64_t strides[3] = {row, row * uint64_t(H), row * uint64_t(H) * uint64_t(S)};  // dims 1..3
+  const uint32_t box[4] = {64u, uint32_t(head_tile), 1u, 1u};
+  const uint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    *detail = "cuTensorMapEncodeTiled failed for a head-tile map";
+    return LaunchStatus::kTensorMapError;
+  }
+  return LaunchStatus::kOk;
+}
+
+// Launches `kernel` with `smem` bytes of dynamic shared memory; the error
+// returned is this launch's (cudaLaunchKernelEx), not a stale one that
+// cudaGetLastError might report.
+template <class... Params, class... Args>
+LaunchStatus launch_kernel(void (*kernel)(Params...), int64_t grid, int threads, int smem, cudaStream_t stream,
+                           const char** detail, Args&&... args) {
+  if (grid <= 0 || grid > INT32_MAX) {
+    *detail = "grid size out of range";
+    return LaunchStatus::kInvalidProblem;
+  }
+  // Per device, so set on every launch (host-side, no synchronisation).
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(grid));
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = size_t(smem);
+    config.stream = stream;
+    err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  }
+  if (err != cudaSuccess) {
+    *detail = cudaGetErrorString(err);
+    return LaunchStatus::kLaunchError;
+  }
+  return LaunchStatus::kOk;
+}
+
+}  // namespace attn_dist

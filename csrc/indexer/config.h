@@ -1,0 +1,96 @@
+// Tile constants, shared-memory plan and TMA parameters of the SM90 indexer_kl
+// forward kernel (docs/SPEC.md §5).
+//
+// One CTA per query row. Like attn_dist's kernel, each WGMMA is
+//   acc[key, head] (+)= K_tile[key, d] . Q_tile[head, d]
+// with M = 64 gathered index_k rows and N = HT indexer heads, so the weighted
+// head sum of relu(z) that makes a logit is a row sum: register FMAs and two
+// quad shuffles, in a fixed order. HI > HT runs several head tiles over the
+// same resident key stages.
+//
+// Two CTAs share an SM (at most half the shared memory each): one CTA's
+// pipeline fill and final reduction overlap the other's streaming. A row gathers T * DI * 2 bytes (512 KiB at T = 2048,
+// DI = 128), a few microseconds per CTA, so that fill would otherwise cost a
+// large share of the time.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda.h>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include "../common/gather.cuh"
+#include "../params.h"
+
+namespace attn_dist {
+namespace indexer {
+
+// One consumer warpgroup and one producer warpgroup per CTA, two CTAs per SM
+// (__launch_bounds__(256, 2): 128 registers a thread, no setmaxnreg needed).
+// The SM's two consumers alternate between GEMM and epilogue as the two
+// consumers of one attn_dist CTA do; the gather needs about 470 cycles per
+// 64-slot block per SM at DI = 128, more than a consumer's 8 WGMMAs plus its
+// epilogue take.
+constexpr int kNumConsumers = 1;
+constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;  // + the producer
+constexpr int kCtasPerSm = 2;
+// Shared memory per SM is 228 KiB, of which each CTA's runtime reserve is 1 KiB.
+constexpr int kSmemBudget = (228 * 1024) / kCtasPerSm - 1024;
+constexpr int kConsumerWarps = kNumConsumers * 4;
+
+// The per-thread softmax/KL state that the final reduction combines.
+constexpr int kRowStateFloats = 5;  // max, sum of exp, target mass, target x (logit - max), target x log target
+
+// DI: indexer head dim (64 or 128). HT: heads per WGMMA (16, 32 or 64).
+// kMaxHeadTiles: head tiles of HT a CTA can hold (HI <= HT * kMaxHeadTiles).
+template <int DI_, int HT_, int kMaxHeadTiles_>
+struct Config {
+  static constexpr int DI = DI_;
+  static constexpr int HT = HT_;
+  static constexpr int kMaxHeadTiles = kMaxHeadTiles_;
+  static constexpr int kMaxHeads = HT * kMaxHeadTiles;
+  static constexpr int kDimTiles = DI / kDimTile;
+  static_assert(DI % kDimTile == 0, "DI must be a multiple of 64");
+  static_assert(HT == 16 || HT == 32 || HT == 64, "head tile is 16, 32 or 64");
+
+  // Q: every head tile, all DI dims, K-major with the 128-byte swizzle; mode 2
+  // picks (head tile, dim tile) as ht * kDimTiles + dt. Written by TMA.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+      cute::Shape<cute::Int<HT>, cute::Int<kDimTile>, cute::Int<kMaxHeadTiles * kDimTiles>>{}));
+  static constexpr int kQBytes = kMaxHeads * DI * int(sizeof(bf16));
+  static constexpr int kQTileBytes = HT * kDimTile * int(sizeof(bf16));
+
+  static constexpr int kMiscBytes = 1024;  // barriers, weights' tail, the reduction scratch (rounded up)
+  static constexpr int kStages =
+      (kSmemBudget - kSmemAlign - kQBytes - kMaxHeads * 4 - kMiscBytes) / (kNumConsumers * 64 * kDimTile * 2);
+  static_assert(kStages >= kDimTiles, "a block's dim tiles must fit in a ring at once");
+  using Ring = GatherRing<kStages, kNumConsumers>;
+
+  // One warpgroup, 64 x HT x 16 per instruction, both operands from shared memory.
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
+                                       cute::Shape<cute::Int<kBlockTopk>, cute::Int<HT>, cute::Int<kDimTile>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+
+  struct SharedMemoryPlan {
+    alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
+    alignas(kSmemAlign) bf16 k[kNumConsumers][Ring::kRingElems];
+    typename Ring::Barriers ring;
+    uint64_t q_ready;                                  // every Q tile landed (one arrival + transaction bytes)
+    float weights[kMaxHeads];                          // the row's weights, 0 past HI
+    float row_state[kConsumerWarps][kRowStateFloats];  // each consumer warp's combined state
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment
+  static_assert(kSmemBytes <= kSmemBudget, "shared-memory plan exceeds the per-CTA budget");
+};
+
+// Passed by value as a __grid_constant__ kernel parameter.
+struct TmaParams {
+  CUtensorMap q;  // 4-D (DI, HI, S, B) bf16, box (64, HT, 1, 1), SWIZZLE_128B
+};
+
+}  // namespace indexer
+}  // namespace attn_dist

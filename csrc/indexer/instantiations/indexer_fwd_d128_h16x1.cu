@@ -1,0 +1,3 @@
+#include "../kernel.cuh"
+
+INDEXER_FWD_INSTANTIATE(128, 16, 1)

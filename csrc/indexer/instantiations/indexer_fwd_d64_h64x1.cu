@@ -1,0 +1,3 @@
+#include "../kernel.cuh"
+
+INDEXER_FWD_INSTANTIATE(64, 64, 1)

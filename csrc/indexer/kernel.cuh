@@ -1,0 +1,316 @@
+// The SM90 indexer_kl forward kernel and its host launcher.
+//
+// One CTA per query row (b, s); 2 warpgroups:
+//   WG0  consumer. Per block of 64 top-k slots and head tile: 64 x HT x DI
+//        WGMMA, then sum_h weights[h] * relu(z) per row (key slot); after the
+//        last head tile the row's logit enters an online log-sum-exp and the
+//        target sums of the slot's owner thread.
+//   WG1  producer: the shared gather pipeline (common/gather.cuh) feeds the
+//        index_k rows; one thread loads index_q by TMA.
+// At the end the consumer's states are combined in a fixed order (warp
+// butterflies, then the 4 warps in order), so the result is deterministic, and
+// one thread writes kl and lse.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "../common/gather.cuh"
+#include "../common/host.h"
+#include "../common/slot_validity.cuh"
+#include "config.h"
+
+namespace attn_dist {
+namespace indexer {
+
+using namespace cute;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float exp_approx(float x) {  // e^x for x <= 0 (ftz: tiny results flush to 0)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
+  return y;
+}
+
+// The softmax and KL sums over the slots a thread (then a warp, then the CTA)
+// has seen, relative to its running maximum m of the valid logits:
+//   l = sum exp(x - m), tau = sum t, tx = sum t (x - m), tlogt = sum t log t.
+// Then kl = tlogt - tx + tau log l and lse = m + log l.
+struct RowState {
+  float m = -INFINITY, l = 0.f, tau = 0.f, tx = 0.f, tlogt = 0.f;
+
+  __device__ __forceinline__ void add(float x, float t) {
+    if (x > m) {  // rescale to the new maximum (nothing to rescale before the first slot)
+      if (m != -INFINITY) {
+        l *= exp_approx(m - x);
+        tx += tau * (m - x);
+      }
+      m = x;
+    }
+    l += exp_approx(x - m);
+    if (t > 0.f) {
+      tau += t;
+      tx += t * (x - m);
+      tlogt += t * logf(t);  // logf, not __logf: a denormal target must not become -inf
+    }
+  }
+
+  __device__ __forceinline__ void merge(const RowState& o) {
+    const float M = fmaxf(m, o.m);
+    if (M == -INFINITY) return;  // neither has seen a valid slot
+    const float a = m == -INFINITY ? 0.f : expf(m - M);
+    const float b = o.m == -INFINITY ? 0.f : expf(o.m - M);
+    // tau is 0 wherever m is -inf, so the shifts below are never inf * 0.
+    tx = (tau > 0.f ? tx + tau * (m - M) : tx) + (o.tau > 0.f ? o.tx + o.tau * (o.m - M) : o.tx);
+    l = l * a + o.l * b;
+    tau += o.tau;
+    tlogt += o.tlogt;
+    m = M;
+  }
+
+  __device__ __forceinline__ RowState shfl_xor(int mask) const {
+    RowState o;
+    o.m = __shfl_xor_sync(0xffffffffu, m, mask);
+    o.l = __shfl_xor_sync(0xffffffffu, l, mask);
+    o.tau = __shfl_xor_sync(0xffffffffu, tau, mask);
+    o.tx = __shfl_xor_sync(0xffffffffu, tx, mask);
+    o.tlogt = __shfl_xor_sync(0xffffffffu, tlogt, mask);
+    return o;
+  }
+};
+
+// Per-CTA facts shared by producer and consumers.
+struct CtaProblem {
+  int batch, s;
+  int64_t row;  // b * S + s
+  int num_head_tiles;
+  RowSlots slots;
+};
+
+template <class Cfg>
+__device__ __forceinline__ CtaProblem locate_cta(const IndexerFwdParams& p) {
+  CtaProblem c;
+  c.s = blockIdx.x % p.s_q;
+  c.batch = blockIdx.x / p.s_q;
+  c.row = int64_t(c.batch) * p.s_q + c.s;
+  c.num_head_tiles = (p.h_idx + Cfg::HT - 1) / Cfg::HT;
+  c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride);
+  return c;
+}
+
+// ---------------------------------------------------------------------------
+// Producer steps (WG2).
+// ---------------------------------------------------------------------------
+template <class Cfg>
+__device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
+                                              const CtaProblem& c) {
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+      &plan.q_ready, uint32_t(c.num_head_tiles * Cfg::kDimTiles * Cfg::kQTileBytes));
+  for (int ht = 0; ht < c.num_head_tiles; ++ht)
+    for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
+      // Heads past HI are zero-filled by TMA; index_q is read once, so evict it first.
+      SM90_TMA_LOAD_4D::copy(&tma.q, &plan.q_ready, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                             plan.q + (ht * Cfg::kDimTiles + dt) * Cfg::HT * kDimTile, dt * kDimTile,
+                             ht * Cfg::HT, c.s, c.batch);
+}
+
+// ---------------------------------------------------------------------------
+// Consumer steps (WG0, WG1).
+// ---------------------------------------------------------------------------
+
+// sum over this thread's accumulator columns of weights[col] * relu(z), for
+// its two rows (WGMMA 64xN f32 layout: acc(4j + 2*rh + e) is row
+// 16w + l/4 + 8rh, column 8j + 2(l%4) + e).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void add_weighted_relu(const Acc& acc, const float* weights, int lane,
+                                                  float (&partial)[2]) {
+  CUTE_UNROLL
+  for (int j = 0; j < Cfg::HT / 8; ++j) {
+    const float2 w = *reinterpret_cast<const float2*>(weights + 8 * j + 2 * (lane % 4));
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      partial[rh] = fmaf(w.x, fmaxf(acc(4 * j + 2 * rh), 0.f), partial[rh]);
+      partial[rh] = fmaf(w.y, fmaxf(acc(4 * j + 2 * rh + 1), 0.f), partial[rh]);
+    }
+  }
+}
+
+// The logits of one block of 64 slots: acc = K_block . Q_tile^T per head tile,
+// weighted relu row sums added up over the head tiles. The block's kDimTiles
+// stages stay resident until its last head tile's WGMMAs are done.
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
+                                             const FragB& tB, Acc& acc, const CtaProblem& c, int consumer,
+                                             RingPos<Cfg::kStages>& pos, int lane, float (&partial)[2]) {
+  using Ring = typename Cfg::Ring;
+  int stage[Cfg::kDimTiles];
+  CUTE_UNROLL
+  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
+    stage[dt] = pos.stage;
+    wait_stage_full<Ring>(plan.ring, consumer, pos);
+    pos.advance();
+  }
+  partial[0] = partial[1] = 0.f;
+  CUTE_NO_UNROLL
+  for (int ht = 0; ht < c.num_head_tiles; ++ht) {
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tA); ++kb) {
+        cute::gemm(mma, tA(_, _, kb, stage[dt]), tB(_, _, kb, ht * Cfg::kDimTiles + dt), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    add_weighted_relu<Cfg>(acc, plan.weights + ht * Cfg::HT, lane, partial);
+  }
+  CUTE_UNROLL
+  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) release_stage<Ring>(plan.ring, consumer, stage[dt], lane);
+  // The 4 lanes of a quad hold the row's other columns: a fixed-order butterfly.
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    partial[rh] += __shfl_xor_sync(0xffffffffu, partial[rh], 1);
+    partial[rh] += __shfl_xor_sync(0xffffffffu, partial[rh], 2);
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& plan, const IndexerFwdParams& p,
+                                               const CtaProblem& c, int consumer, int thread_in_wg) {
+  const int warp = thread_in_wg / 32;
+  const int lane = thread_in_wg % 32;
+  typename Cfg::TiledMma mma;
+  auto thr_mma = mma.get_slice(thread_in_wg);
+  Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Cfg::SmemLayoutQ{});                 // (HT, 64, tiles)
+  Tensor sK = make_tensor(make_smem_ptr(plan.k[consumer]), typename Cfg::Ring::SmemLayout{});  // (64, 64, stages)
+  Tensor tA = thr_mma.partition_fragment_A(sK);
+  Tensor tB = thr_mma.partition_fragment_B(sQ);
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockTopk>, Int<Cfg::HT>>{});
+
+  // Lanes with l % 4 == rh own row rh of their quad's pair of rows: its slot's
+  // index and target are loaded before the GEMM, and its logit enters `state`.
+  const int rh = lane % 4;
+  const bool owner = rh < 2;
+  const float* target_row = p.target + c.row * p.topk;
+  RowState state;
+  RingPos<Cfg::kStages> pos;
+  const int num_blocks = c.slots.num_blocks();
+  cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready, 0);
+  for (int block = consumer; block < num_blocks; block += kNumConsumers) {
+    const int t = block * kBlockTopk + 16 * warp + lane / 4 + 8 * (rh & 1);
+    const int32_t index = owner ? c.slots.load(t) : -1;
+    const float target = owner && t < p.topk ? __ldg(target_row + t) : 0.f;
+    float partial[2];
+    block_logits<Cfg>(plan, mma, tA, tB, acc, c, consumer, pos, lane, partial);
+    if (owner && c.slots.key_if_valid(index) >= 0) state.add(p.scale * (rh == 0 ? partial[0] : partial[1]), target);
+  }
+  // Combine: the warp's 32 lanes by a fixed butterfly, then the consumer
+  // warps in order by one thread.
+  CUTE_UNROLL
+  for (int mask = 1; mask < 32; mask <<= 1) state.merge(state.shfl_xor(mask));
+  const int consumer_warp = consumer * 4 + warp;
+  if (lane == 0) {
+    float* out = plan.row_state[consumer_warp];
+    out[0] = state.m, out[1] = state.l, out[2] = state.tau, out[3] = state.tx, out[4] = state.tlogt;
+  }
+  // Named barrier 1 over the consumer warpgroups (the producer may have left).
+  asm volatile("bar.sync 1, %0;" ::"n"(kNumConsumers * kWarpgroupThreads) : "memory");
+  if (consumer == 0 && thread_in_wg == 0) {
+    RowState total;
+    for (int w = 0; w < kConsumerWarps; ++w) {
+      const float* in = plan.row_state[w];
+      RowState part;
+      part.m = in[0], part.l = in[1], part.tau = in[2], part.tx = in[3], part.tlogt = in[4];
+      total.merge(part);
+    }
+    const float log_l = total.l > 0.f ? logf(total.l) : 0.f;
+    p.kl[c.row] = total.tau > 0.f ? total.tlogt - total.tx + total.tau * log_l : 0.f;
+    p.lse[c.row] = total.l > 0.f ? total.m + log_l : -INFINITY;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The kernel.
+// ---------------------------------------------------------------------------
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    indexer_fwd_kernel(const __grid_constant__ IndexerFwdParams params, const __grid_constant__ TmaParams tma) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Plan = typename Cfg::SharedMemoryPlan;
+  extern __shared__ char smem_raw[];
+  Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
+                                        ~uintptr_t(kSmemAlign - 1));
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
+  const CtaProblem cta = locate_cta<Cfg>(params);
+
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&plan.q_ready, 1);
+    Cfg::Ring::init(plan.ring);
+    cutlass::arch::fence_barrier_init();
+  }
+  // The row's weights, zero past HI (those heads' zero-filled index_q give
+  // z = 0 anyway; a zero weight keeps them out whatever the padding holds).
+  const float* weights_row = params.weights + cta.row * params.h_idx;
+  for (int h = threadIdx.x; h < Cfg::kMaxHeads; h += kThreads)
+    plan.weights[h] = h < params.h_idx ? __ldg(weights_row + h) : 0.f;
+  __syncthreads();
+
+  if (warpgroup == kNumConsumers) {
+    if (thread_in_wg == 0) {
+      cute::prefetch_tma_descriptor(&tma.q);
+      load_q_by_tma<Cfg>(plan, tma, cta);
+    }
+    constexpr int kFeeders = Cfg::Ring::kFeeders;
+    const int consumer = thread_in_wg / kFeeders;
+    const bf16* keys = static_cast<const bf16*>(params.index_k) + int64_t(cta.batch) * params.s_kv * Cfg::DI;
+    gather_key_blocks<typename Cfg::Ring, Cfg::DI>(plan.k[consumer], plan.ring, cta.slots, keys, consumer,
+                                                   thread_in_wg % kFeeders);
+  } else {
+    consume_blocks<Cfg>(plan, params, cta, warpgroup, thread_in_wg);
+  }
+#elif defined(__CUDA_ARCH__)
+  // Built for an architecture without WGMMA: fail loudly rather than return
+  // an output that was never written.
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Host launcher for one (DI, HT, max head tiles) variant.
+// ---------------------------------------------------------------------------
+template <class Cfg>
+LaunchStatus run_variant(const IndexerFwdParams& p, cudaStream_t stream, const char** detail) {
+  // No rows, nothing to launch. T = 0 (or N = 0) is served: every slot is
+  // invalid, so each row's kl is 0 and its lse -inf; the consumers still wait
+  // for the index_q TMA before the CTA exits.
+  if (p.batch < 1 || p.s_q < 1 || p.topk < 0 || p.h_idx < 1 || p.h_idx > Cfg::kMaxHeads || p.s_kv < 0) {
+    *detail = "empty or invalid problem (B, S >= 1, T >= 0, 1 <= HI <= the variant's heads): nothing to launch";
+    return LaunchStatus::kInvalidProblem;
+  }
+  TmaParams tma{};
+  if (LaunchStatus s = encode_head_tile_map(&tma.q, p.index_q, Cfg::DI, p.h_idx, p.s_q, p.batch, Cfg::HT, detail);
+      s != LaunchStatus::kOk)
+    return s;
+  return launch_kernel(&indexer_fwd_kernel<Cfg>, int64_t(p.batch) * p.s_q, kThreads, Cfg::kSmemBytes, stream,
+                       detail, p, tma);
+}
+
+}  // namespace indexer
+}  // namespace attn_dist
+
+// Explicit instantiation, one variant per translation unit for parallel nvcc.
+#define INDEXER_FWD_INSTANTIATE(DI, HT, TILES)                                                            \
+  template attn_dist::LaunchStatus                                                                         \
+  attn_dist::indexer::run_variant<attn_dist::indexer::Config<DI, HT, TILES>>(const attn_dist::IndexerFwdParams&, \
+                                                                             cudaStream_t, const char**);
