@@ -1,14 +1,20 @@
-"""jax_attn_dist: per-head-group attention probabilities on DSA's top-k keys.
+"""jax_attn_dist: DeepSeek Sparse Attention's indexer loss for JAX.
 
-See :func:`attn_dist` and SPEC §2. ``python -m jax_attn_dist`` runs a demo.
+* :func:`attn_dist`: per-head-group attention probabilities on each query's
+  top-k keys (the indexer's target; docs/SPEC.md §2).
+* :func:`indexer_kl`, :func:`indexer_loss`: the lightning indexer's KL loss
+  (docs/SPEC.md §5).
+
+``python -m jax_attn_dist`` runs a demo.
 """
 
-from ._contract import HEADS_PER_GROUP, kernel_supports
-from .primitive import attn_dist, attn_dist_p, kernel_available
-from . import autodiff, batching  # noqa: F401  (custom VJP; registers the vmap rule)
-from .reference import attn_dist_reference
+from ._contract import HEADS_PER_GROUP, indexer_kernel_supports, kernel_supports
+from .api import attn_dist, indexer_kl, indexer_loss, kernel_available
+from .indexer_primitive import indexer_kl_p
+from .primitive import attn_dist_p
+from .reference import attn_dist_reference, indexer_kl_reference
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "HEADS_PER_GROUP",
@@ -16,6 +22,11 @@ __all__ = [
     "attn_dist",
     "attn_dist_p",
     "attn_dist_reference",
+    "indexer_kernel_supports",
+    "indexer_kl",
+    "indexer_kl_p",
+    "indexer_kl_reference",
+    "indexer_loss",
     "kernel_available",
     "kernel_supports",
 ]

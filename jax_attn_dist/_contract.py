@@ -23,20 +23,25 @@ import jax.numpy as jnp
 #: Heads per output group: ``out[g]`` sums heads ``64g .. min(64g+64, H)-1``.
 HEADS_PER_GROUP = 64
 
-#: The name under which the CUDA extension registers its XLA FFI handler.
-FFI_TARGET = "jax_attn_dist_fwd"
+#: XLA FFI target names of the CUDA extension (csrc/ffi.h defines the same
+#: strings; tests check that the extension registers exactly these).
+FFI_TARGET = "jax_attn_dist_fwd"                     # attn_dist
+FFI_TARGET_POISONED = "jax_attn_dist_fwd_into"       # attn_dist into an aliased (test-poisoned) output
+FFI_INDEXER_FWD = "jax_attn_dist_indexer_fwd"        # indexer_kl forward
+FFI_INDEXER_FWD_POISONED = "jax_attn_dist_indexer_fwd_into"
+FFI_TARGETS = (FFI_TARGET, FFI_TARGET_POISONED, FFI_INDEXER_FWD, FFI_INDEXER_FWD_POISONED)
 
 #: ``q``/``k`` dtypes the jnp path accepts. The CUDA kernel takes bfloat16 only.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
-#: Feature sizes the CUDA kernel is built for (MLA: 512 latent + 64 rope).
+#: Feature sizes the attn_dist CUDA kernel is built for (MLA: 512 latent + 64 rope).
 KERNEL_HEAD_DIMS = (512, 576)
 
 LSE_BASES = ("2", "e")
 IMPLEMENTATIONS = (None, "cuda", "xla")
 
-_INT32_MIN = -(2**31)
-_INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
 
 
 def num_groups(num_heads: int) -> int:
@@ -92,10 +97,10 @@ def _dtype_name(dt) -> str:
     return jnp.dtype(dt).name
 
 
-def _check_array(name: str, x: Any) -> None:
+def _check_array(name: str, x: Any, who: str = "attn_dist") -> None:
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(
-            f"attn_dist: `{name}` must be an array (jax or numpy), got {type(x).__name__}"
+            f"{who}: `{name}` must be an array (jax or numpy), got {type(x).__name__}"
         )
 
 
@@ -104,67 +109,67 @@ def _check_array(name: str, x: Any) -> None:
 # ----------------------------------------------------------------------------
 
 
-def check_sm_scale(sm_scale: Any) -> float:
+def check_sm_scale(sm_scale: Any, who: str = "attn_dist", name: str = "sm_scale") -> float:
     if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(
         sm_scale, (numbers.Real, np.floating, np.integer)
     ):
         raise TypeError(
-            "attn_dist: `sm_scale` must be a Python float (static; the scale the "
-            f"forward used), got {type(sm_scale).__name__}: {sm_scale!r}"
+            f"{who}: `{name}` must be a Python float (static), got "
+            f"{type(sm_scale).__name__}: {sm_scale!r}"
         )
     value = float(sm_scale)
     if not (math.isfinite(value) and value > 0.0):
         raise ValueError(
-            f"attn_dist: `sm_scale` must be a finite positive float, got {value!r}"
+            f"{who}: `{name}` must be a finite positive float, got {value!r}"
         )
     # It is used in float32, also as sm_scale * log2(e): both must stay finite and > 0.
     with np.errstate(over="ignore", under="ignore"):
         f32 = (np.float32(value), np.float32(value * math.log2(math.e)))
     if not all(np.isfinite(x) and x > 0 for x in f32):
         raise ValueError(
-            f"attn_dist: `sm_scale` must be representable in float32 (finite and > 0, "
+            f"{who}: `{name}` must be representable in float32 (finite and > 0, "
             f"also times log2(e)), got {value!r}"
         )
     return value
 
 
-def check_causal(causal: Any) -> bool:
+def check_causal(causal: Any, who: str = "attn_dist") -> bool:
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(
-            f"attn_dist: `causal` must be a bool, got {type(causal).__name__}: {causal!r}"
+            f"{who}: `causal` must be a bool, got {type(causal).__name__}: {causal!r}"
         )
     return bool(causal)
 
 
-def check_k_stride(k_stride: Any) -> int:
+def check_k_stride(k_stride: Any, who: str = "attn_dist") -> int:
     if isinstance(k_stride, (bool, np.bool_)) or not isinstance(
         k_stride, (int, np.integer)
     ):
         raise TypeError(
-            "attn_dist: `k_stride` must be a Python int >= 1 (static), got "
+            f"{who}: `k_stride` must be a Python int >= 1 (static), got "
             f"{type(k_stride).__name__}: {k_stride!r}"
         )
     value = int(k_stride)
-    if not (1 <= value <= _INT32_MAX):
-        raise ValueError(f"attn_dist: `k_stride` must be an int >= 1, got {value}")
+    if not (1 <= value <= INT32_MAX):
+        raise ValueError(f"{who}: `k_stride` must be an int >= 1, got {value}")
     return value
 
 
-def check_lse_base(lse_base: Any) -> str:
+def check_lse_base(lse_base: Any, who: str = "attn_dist") -> str:
     if not isinstance(lse_base, str) or lse_base not in LSE_BASES:
         raise ValueError(
-            "attn_dist: `lse_base` must be \"2\" (lse = log2 sum exp2, the default) "
+            f"{who}: `lse_base` must be \"2\" (lse = log2 sum exp2, the default) "
             f"or \"e\" (natural log), got {lse_base!r}"
         )
     return lse_base
 
 
-def check_implementation(implementation: Any) -> Optional[str]:
+def check_implementation(implementation: Any, who: str = "attn_dist") -> Optional[str]:
     if implementation is not None and (
         not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS
     ):
         raise ValueError(
-            "attn_dist: `implementation` must be None (the CUDA kernel where it "
+            f"{who}: `implementation` must be None (the CUDA kernel where it "
             "applies, else XLA), \"cuda\" or \"xla\", got "
             f"{implementation!r}"
         )
@@ -184,12 +189,12 @@ class Params:
         return dataclasses.asdict(self)
 
 
-def check_params(*, sm_scale, causal, k_stride, lse_base) -> Params:
+def check_params(*, sm_scale, causal, k_stride, lse_base, who: str = "attn_dist") -> Params:
     return Params(
-        sm_scale=check_sm_scale(sm_scale),
-        causal=check_causal(causal),
-        k_stride=check_k_stride(k_stride),
-        lse_base=check_lse_base(lse_base),
+        sm_scale=check_sm_scale(sm_scale, who),
+        causal=check_causal(causal, who),
+        k_stride=check_k_stride(k_stride, who),
+        lse_base=check_lse_base(lse_base, who),
     )
 
 
@@ -198,15 +203,15 @@ def check_params(*, sm_scale, causal, k_stride, lse_base) -> Params:
 # ----------------------------------------------------------------------------
 
 
-def check_problem(q, k, indices, lse) -> Problem:
+def check_problem(q, k, indices, lse, who: str = "attn_dist") -> Problem:
     """Validates the four array arguments (user form: with or without the
     leading batch dimension) and returns the problem's sizes."""
     for name, x in (("q", q), ("k", k), ("indices", indices), ("lse", lse)):
-        _check_array(name, x)
+        _check_array(name, x, who)
 
     if q.ndim not in (3, 4):
         raise ValueError(
-            "attn_dist: `q` must have rank 3 [S, H, D] or rank 4 [B, S, H, D], "
+            f"{who}: `q` must have rank 3 [S, H, D] or rank 4 [B, S, H, D], "
             f"got rank {q.ndim} with shape {_fmt(q.shape)}"
         )
     batched = q.ndim == 4
@@ -227,7 +232,7 @@ def check_problem(q, k, indices, lse) -> Problem:
         if x.ndim != r:
             form = "batched" if batched else "unbatched"
             raise ValueError(
-                f"attn_dist: `{name}` must have rank {r} [{lead}{names}] because `q` "
+                f"{who}: `{name}` must have rank {r} [{lead}{names}] because `q` "
                 f"is {form} (shape {_fmt(q.shape)}), got rank {x.ndim} with shape "
                 f"{_fmt(x.shape)}"
             )
@@ -236,22 +241,22 @@ def check_problem(q, k, indices, lse) -> Problem:
     qdt = jnp.dtype(q.dtype)
     if qdt not in SUPPORTED_DTYPES:
         raise TypeError(
-            "attn_dist: `q` must have dtype bfloat16 (float16/float32 accepted on "
+            f"{who}: `q` must have dtype bfloat16 (float16/float32 accepted on "
             f"the XLA path), got {_dtype_name(qdt)}"
         )
     if jnp.dtype(k.dtype) != qdt:
         raise TypeError(
-            f"attn_dist: `k` must have the dtype of `q` ({_dtype_name(qdt)}), got "
+            f"{who}: `k` must have the dtype of `q` ({_dtype_name(qdt)}), got "
             f"{_dtype_name(k.dtype)}"
         )
     if jnp.dtype(indices.dtype) != jnp.dtype(jnp.int32):
         raise TypeError(
-            "attn_dist: `indices` must have dtype int32, got "
+            f"{who}: `indices` must have dtype int32, got "
             f"{_dtype_name(indices.dtype)} (use indices.astype(jnp.int32))"
         )
     if jnp.dtype(lse.dtype) != jnp.dtype(jnp.float32):
         raise TypeError(
-            f"attn_dist: `lse` must have dtype float32, got {_dtype_name(lse.dtype)}"
+            f"{who}: `lse` must have dtype float32, got {_dtype_name(lse.dtype)}"
         )
 
     # sizes
@@ -263,23 +268,23 @@ def check_problem(q, k, indices, lse) -> Problem:
         kB = B
     if H < 1:
         raise ValueError(
-            f"attn_dist: `q` must have at least one head (H >= 1), got shape "
+            f"{who}: `q` must have at least one head (H >= 1), got shape "
             f"{_fmt(q.shape)}"
         )
     if HK < 1 or H % HK != 0:
         raise ValueError(
-            f"attn_dist: the number of kv heads HK of `k` must be >= 1 and divide "
+            f"{who}: the number of kv heads HK of `k` must be >= 1 and divide "
             f"H = {H} (head h uses kv head h // (H // HK)), got HK = {HK} "
             f"(k shape {_fmt(k.shape)})"
         )
     if batched and kB != B:
         raise ValueError(
-            f"attn_dist: `k` must have shape [B, N, HK, D] with B = {B} and D = {D} "
+            f"{who}: `k` must have shape [B, N, HK, D] with B = {B} and D = {D} "
             f"(from `q`), got {_fmt(k.shape)}"
         )
     if kD != D:
         raise ValueError(
-            f"attn_dist: `k` must have shape [{lead}N, HK, D] with D = {D} (from "
+            f"{who}: `k` must have shape [{lead}N, HK, D] with D = {D} (from "
             f"`q`), got {_fmt(k.shape)}"
         )
 
@@ -288,55 +293,55 @@ def check_problem(q, k, indices, lse) -> Problem:
     want_i = ((B,) if batched else ()) + (S, HK, T)
     if ishape != want_i:
         raise ValueError(
-            f"attn_dist: `indices` must have shape [{lead}S, HK, T] = {_fmt(want_i)} "
+            f"{who}: `indices` must have shape [{lead}S, HK, T] = {_fmt(want_i)} "
             f"(S, B from `q`, HK from `k`), got {_fmt(ishape)}"
         )
     want_l = ((B,) if batched else ()) + (S, H)
     lshape = tuple(int(d) for d in lse.shape)
     if lshape != want_l:
         raise ValueError(
-            f"attn_dist: `lse` must have shape [{lead}S, H] = {_fmt(want_l)}, got "
+            f"{who}: `lse` must have shape [{lead}S, H] = {_fmt(want_l)}, got "
             f"{_fmt(lshape)}"
         )
 
     return Problem(batched=batched, B=B, S=S, H=H, D=D, N=N, HK=HK, T=T, dtype=qdt)
 
 
-def check_q_start_index(q_start_index: Any, problem: Problem):
+def check_q_start_index(q_start_index: Any, problem, who: str = "attn_dist"):
     """Returns either a Python int (checked to fit int32) or the array as given
     (checked: integer dtype, shape [] or, when batched, [B]). The caller casts
     arrays to int32."""
     if isinstance(q_start_index, (bool, np.bool_)):
-        raise TypeError("attn_dist: `q_start_index` must be an int or an int32 array, got a bool")
+        raise TypeError(f"{who}: `q_start_index` must be an int or an int32 array, got a bool")
     if isinstance(q_start_index, int):
         value = int(q_start_index)
-        if not (_INT32_MIN <= value <= _INT32_MAX):
+        if not (INT32_MIN <= value <= INT32_MAX):
             raise ValueError(
-                f"attn_dist: `q_start_index` must fit in int32, got {value}"
+                f"{who}: `q_start_index` must fit in int32, got {value}"
             )
         return value
     if not (hasattr(q_start_index, "shape") and hasattr(q_start_index, "dtype")):
         raise TypeError(
-            "attn_dist: `q_start_index` must be a Python int or an integer array of "
+            f"{who}: `q_start_index` must be a Python int or an integer array of "
             f"shape [] or [B], got {type(q_start_index).__name__}: {q_start_index!r}"
         )
     dt = jnp.dtype(q_start_index.dtype)
     if not jnp.issubdtype(dt, jnp.integer):
         raise TypeError(
-            "attn_dist: `q_start_index` must have an integer dtype (it is cast to "
+            f"{who}: `q_start_index` must have an integer dtype (it is cast to "
             f"int32), got {_dtype_name(dt)}"
         )
     info = jnp.iinfo(dt)
-    if info.min < _INT32_MIN or info.max > _INT32_MAX:  # the cast to int32 could wrap
+    if info.min < INT32_MIN or info.max > INT32_MAX:  # the cast to int32 could wrap
         if isinstance(q_start_index, jax.core.Tracer):
             raise TypeError(
-                "attn_dist: a traced `q_start_index` must be int32 (or narrower), got "
+                f"{who}: a traced `q_start_index` must be int32 (or narrower), got "
                 f"{_dtype_name(dt)}, whose values cannot be range-checked at trace time"
             )
         values = np.asarray(q_start_index)
-        if values.size and (values.min() < _INT32_MIN or values.max() > _INT32_MAX):
+        if values.size and (values.min() < INT32_MIN or values.max() > INT32_MAX):
             raise ValueError(
-                f"attn_dist: `q_start_index` must fit in int32, got values in "
+                f"{who}: `q_start_index` must fit in int32, got values in "
                 f"[{values.min()}, {values.max()}]"
             )
     shape = tuple(int(d) for d in q_start_index.shape)
@@ -344,28 +349,28 @@ def check_q_start_index(q_start_index: Any, problem: Problem):
         return q_start_index
     if not problem.batched:
         raise ValueError(
-            "attn_dist: `q_start_index` must be a scalar (shape []) when the inputs "
+            f"{who}: `q_start_index` must be a scalar (shape []) when the inputs "
             f"are unbatched, got shape {_fmt(shape)}"
         )
     if shape != (problem.B,):
         raise ValueError(
-            f"attn_dist: `q_start_index` must have shape [] or [B] = [{problem.B}], "
+            f"{who}: `q_start_index` must have shape [] or [B] = [{problem.B}], "
             f"got {_fmt(shape)}"
         )
     return q_start_index
 
 
-def check_canonical(q, k, indices, lse, q_start) -> Problem:
+def check_canonical(q, k, indices, lse, q_start, who: str = "attn_dist") -> Problem:
     """Validates the operands of the logical primitive: q [B,S,H,D],
     k [B,N,HK,D], indices [B,S,HK,T] int32, lse [B,S,H] f32, q_start [B] int32."""
     if q.ndim != 4:
         raise ValueError(
-            f"attn_dist primitive: `q` must be canonical [B, S, H, D], got {_fmt(q.shape)}"
+            f"{who} primitive: `q` must be canonical [B, S, H, D], got {_fmt(q.shape)}"
         )
-    problem = check_problem(q, k, indices, lse)
+    problem = check_problem(q, k, indices, lse, who)
     if jnp.dtype(q_start.dtype) != jnp.dtype(jnp.int32) or tuple(q_start.shape) != (problem.B,):
         raise ValueError(
-            f"attn_dist primitive: `q_start` must be int32 [B] = [{problem.B}], got "
+            f"{who} primitive: `q_start` must be int32 [B] = [{problem.B}], got "
             f"{_dtype_name(q_start.dtype)} {_fmt(q_start.shape)}"
         )
     return problem
@@ -391,4 +396,200 @@ def kernel_supports(problem: Problem) -> Tuple[bool, str]:
         return False, (
             f"the CUDA kernel takes head dim D in {list(KERNEL_HEAD_DIMS)}, got D = {problem.D}"
         )
+    return True, "supported"
+
+
+# ----------------------------------------------------------------------------
+# indexer_kl (SPEC §5)
+# ----------------------------------------------------------------------------
+
+#: ``weights`` dtypes ``indexer_kl`` accepts (used in float32).
+INDEXER_WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+#: Indexer head dims DI the indexer CUDA kernel is built for.
+INDEXER_KERNEL_HEAD_DIMS = (64, 128)
+
+#: The most indexer heads HI the indexer CUDA kernel serves (4 tiles of 64).
+INDEXER_KERNEL_MAX_HEADS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerProblem:
+    """The static description of one ``indexer_kl`` call, canonical (batched)
+    terms; ``batched`` says whether the caller's arrays carry B."""
+
+    batched: bool
+    B: int
+    S: int
+    HI: int
+    DI: int
+    N: int
+    T: int
+    dtype: Any          # numpy dtype of index_q and index_k
+    weights_dtype: Any  # numpy dtype of weights
+
+    @property
+    def out_shape(self) -> Tuple[int, ...]:
+        """The shape the caller gets back: ``[B?, S]``."""
+        return (self.B, self.S) if self.batched else (self.S,)
+
+    @property
+    def canonical_out_shape(self) -> Tuple[int, int]:
+        return (self.B, self.S)
+
+    @property
+    def is_empty(self) -> bool:
+        """No row, or no slot can be valid (T = 0 or N = 0): all zeros."""
+        return self.B == 0 or self.S == 0 or self.T == 0 or self.N == 0
+
+    @property
+    def scores(self) -> Problem:
+        """The same sizes as an attn_dist-style problem (q = index_q,
+        k = index_k with one kv head): the jnp chunk code serves both."""
+        return Problem(batched=self.batched, B=self.B, S=self.S, H=self.HI, D=self.DI, N=self.N, HK=1,
+                       T=self.T, dtype=self.dtype)
+
+
+def check_indexer_problem(index_q, index_k, weights, indices, target, who: str = "indexer_kl") -> IndexerProblem:
+    """Validates ``indexer_kl``'s array arguments (with or without the leading
+    batch dimension) and returns the problem's sizes."""
+    for name, x in (("index_q", index_q), ("index_k", index_k), ("weights", weights),
+                    ("indices", indices), ("target", target)):
+        _check_array(name, x, who)
+    if index_q.ndim not in (3, 4):
+        raise ValueError(
+            f"{who}: `index_q` must have rank 3 [S, HI, DI] or rank 4 [B, S, HI, DI], got rank "
+            f"{index_q.ndim} with shape {_fmt(index_q.shape)}"
+        )
+    batched = index_q.ndim == 4
+    lead = "B, " if batched else ""
+    if batched:
+        B, S, HI, DI = (int(d) for d in index_q.shape)
+    else:
+        B = 1
+        S, HI, DI = (int(d) for d in index_q.shape)
+    form = "batched" if batched else "unbatched"
+    for name, x, names, r in (
+        ("index_k", index_k, "N, DI", 2),
+        ("weights", weights, "S, HI", 2),
+        ("indices", indices, "S, 1, T", 3),
+        ("target", target, "S, T", 2),
+    ):
+        want = r + int(batched)
+        if x.ndim != want:
+            raise ValueError(
+                f"{who}: `{name}` must have rank {want} [{lead}{names}] because `index_q` is {form} "
+                f"(shape {_fmt(index_q.shape)}), got rank {x.ndim} with shape {_fmt(x.shape)}"
+            )
+
+    qdt = jnp.dtype(index_q.dtype)
+    if qdt not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{who}: `index_q` must have dtype bfloat16 (float16/float32 accepted on the XLA path), "
+            f"got {_dtype_name(qdt)}"
+        )
+    if jnp.dtype(index_k.dtype) != qdt:
+        raise TypeError(
+            f"{who}: `index_k` must have the dtype of `index_q` ({_dtype_name(qdt)}), got "
+            f"{_dtype_name(index_k.dtype)}"
+        )
+    wdt = jnp.dtype(weights.dtype)
+    if wdt not in INDEXER_WEIGHT_DTYPES:
+        raise TypeError(f"{who}: `weights` must have dtype float32 or bfloat16, got {_dtype_name(wdt)}")
+    if jnp.dtype(indices.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(
+            f"{who}: `indices` must have dtype int32, got {_dtype_name(indices.dtype)} "
+            "(use indices.astype(jnp.int32))"
+        )
+    if jnp.dtype(target.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(f"{who}: `target` must have dtype float32, got {_dtype_name(target.dtype)}")
+
+    if HI < 1 or DI < 1:
+        raise ValueError(
+            f"{who}: `index_q` must have at least one head and one feature (HI, DI >= 1), got shape "
+            f"{_fmt(index_q.shape)}"
+        )
+    kshape = tuple(int(d) for d in index_k.shape)
+    N = kshape[-2]
+    want_k = ((B,) if batched else ()) + (N, DI)
+    if kshape != want_k:
+        raise ValueError(
+            f"{who}: `index_k` must have shape [{lead}N, DI] with DI = {DI} (from `index_q`)"
+            + (f" and B = {B}" if batched else "") + f", got {_fmt(kshape)}"
+        )
+    ishape = tuple(int(d) for d in indices.shape)
+    T = ishape[-1]
+    want_i = ((B,) if batched else ()) + (S, 1, T)
+    if ishape != want_i:
+        raise ValueError(
+            f"{who}: `indices` must have shape [{lead}S, 1, T] = {_fmt(want_i)} (S, B from `index_q`; "
+            f"one index list per query, as attn_dist takes it), got {_fmt(ishape)}"
+        )
+    for name, x, want, names in (
+        ("weights", weights, ((B,) if batched else ()) + (S, HI), "S, HI"),
+        ("target", target, ((B,) if batched else ()) + (S, T), "S, T"),
+    ):
+        shape = tuple(int(d) for d in x.shape)
+        if shape != want:
+            raise ValueError(f"{who}: `{name}` must have shape [{lead}{names}] = {_fmt(want)}, got {_fmt(shape)}")
+    return IndexerProblem(batched=batched, B=B, S=S, HI=HI, DI=DI, N=N, T=T, dtype=qdt, weights_dtype=wdt)
+
+
+def check_indexer_canonical(index_q, index_k, weights, indices, target, q_start,
+                            who: str = "indexer_kl") -> IndexerProblem:
+    """Validates the operands of the indexer primitives: index_q [B,S,HI,DI],
+    index_k [B,N,DI], weights [B,S,HI], indices [B,S,1,T] int32,
+    target [B,S,T] f32, q_start [B] int32."""
+    if index_q.ndim != 4:
+        raise ValueError(f"{who} primitive: `index_q` must be canonical [B, S, HI, DI], got {_fmt(index_q.shape)}")
+    problem = check_indexer_problem(index_q, index_k, weights, indices, target, who)
+    if jnp.dtype(q_start.dtype) != jnp.dtype(jnp.int32) or tuple(q_start.shape) != (problem.B,):
+        raise ValueError(
+            f"{who} primitive: `q_start` must be int32 [B] = [{problem.B}], got "
+            f"{_dtype_name(q_start.dtype)} {_fmt(q_start.shape)}"
+        )
+    return problem
+
+
+def check_flag(value: Any, name: str, who: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{who}: `{name}` must be a bool, got {type(value).__name__}: {value!r}")
+    return bool(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerParams:
+    """``indexer_kl``'s static parameters, checked."""
+
+    scale: float
+    causal: bool
+    k_stride: int
+    deterministic: bool
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+def check_indexer_params(*, scale, causal, k_stride, deterministic, who: str = "indexer_kl") -> IndexerParams:
+    return IndexerParams(
+        scale=check_sm_scale(scale, who, name="scale"),
+        causal=check_causal(causal, who),
+        k_stride=check_k_stride(k_stride, who),
+        deterministic=check_flag(deterministic, "deterministic", who),
+    )
+
+
+def indexer_kernel_supports(problem: IndexerProblem) -> Tuple[bool, str]:
+    """Whether the indexer CUDA kernel serves this problem, and if not, why:
+    bfloat16 index_q/index_k, DI in {64, 128}, 1 <= HI <= 256; any S, T, N,
+    batch; weights float32 or bfloat16."""
+    if problem.dtype != jnp.dtype(jnp.bfloat16):
+        return False, f"the indexer CUDA kernel takes bfloat16 index_q/index_k, got {_dtype_name(problem.dtype)}"
+    if problem.DI not in INDEXER_KERNEL_HEAD_DIMS:
+        return False, (
+            f"the indexer CUDA kernel takes indexer head dim DI in {list(INDEXER_KERNEL_HEAD_DIMS)}, "
+            f"got DI = {problem.DI}"
+        )
+    if problem.HI > INDEXER_KERNEL_MAX_HEADS:
+        return False, f"the indexer CUDA kernel takes up to {INDEXER_KERNEL_MAX_HEADS} heads, got HI = {problem.HI}"
     return True, "supported"

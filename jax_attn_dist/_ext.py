@@ -1,22 +1,100 @@
 """The compiled CUDA extension, if there is one.
 
-``jax_attn_dist._cuda`` is a nanobind module built by CMake; a source checkout
-may lack it, in which case the CUDA path is unavailable and nothing fails at
-import. When present, its ``registrations()`` (a dict: FFI target name ->
-PyCapsule) are registered with XLA for the CUDA platform, once, on first use.
+``jax_attn_dist._cuda`` is a nanobind module built by CMake. When present, its
+``registrations()`` (a dict: FFI target name -> PyCapsule) are registered with
+XLA for the CUDA platform, once, on first use.
+
+Three things can stand between a user and the kernel, and each is reported:
+
+* **No extension** (a source checkout that was never built, or a build
+  without it): the CUDA path is unavailable; nothing warns, since the jnp
+  path serves every call. ``kernel_unavailable_reason()`` says why.
+* **A stale extension**: the extension records a *build identity*, a hash of
+  ``csrc/`` and ``CMakeLists.txt`` taken at build time. When the package runs
+  from a source checkout, the same hash of the checkout must match, or the
+  binary is not the one this source would build (an edit to ``csrc/`` without
+  a rebuild): a warning, once -- or an error when the kernel is required.
+* **A registration error** (the extension imports but its FFI targets do not
+  register, or it fails to import): a warning, once, and the XLA path -- or
+  an error when the kernel is required.
+
+The kernel is *required* when a call asks for ``implementation="cuda"`` or
+when the environment variable ``JAX_ATTN_DIST_REQUIRE_GPU`` is set to a
+number >= 1 (the GPU test suite and ``tools/gpu_check.sh`` set it; its value
+is the number of GPUs the GPU tests need, see ``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
+import os
 import threading
-from typing import Optional, Tuple
+import warnings
+from pathlib import Path
+from typing import Optional
 
-import jax
+from ._contract import FFI_TARGETS
+
+#: Set to N >= 1: the GPU tests fail (not skip) unless N CUDA GPUs and the
+#: kernel are usable, and extension errors raise instead of warning.
+REQUIRE_GPU_ENV = "JAX_ATTN_DIST_REQUIRE_GPU"
 
 _lock = threading.Lock()
-_state: Optional[Tuple[bool, str]] = None
+_state: Optional["_State"] = None
+
+
+def required_gpus() -> int:
+    """The value of ``JAX_ATTN_DIST_REQUIRE_GPU`` (0 when unset or empty)."""
+    raw = os.environ.get(REQUIRE_GPU_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{REQUIRE_GPU_ENV} must be an integer number of GPUs (0, 1, 2, ...), got {raw!r}") from None
+    return max(value, 0)
+
+
+# ----------------------------------------------------------------------------
+# build identity
+# ----------------------------------------------------------------------------
+
+
+def build_id_of(root) -> str:
+    """The build identity of the sources under ``root``: the SHA-256 of the
+    lines ``"<relative path> <sha256 of the file>\\n"`` for every file under
+    ``csrc/`` and for ``CMakeLists.txt``, in sorted path order. CMakeLists.txt
+    computes the same string at configure time and compiles it into the
+    extension (``_cuda.build_id()``)."""
+    root = Path(root)
+    paths = ["CMakeLists.txt"]
+    for dirpath, _, files in os.walk(root / "csrc"):
+        for name in files:
+            paths.append((Path(dirpath) / name).relative_to(root).as_posix())
+    text = "".join(f"{p} {hashlib.sha256((root / p).read_bytes()).hexdigest()}\n" for p in sorted(paths))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def source_checkout() -> Optional[Path]:
+    """The checkout this package runs from, or None for an installed package."""
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "CMakeLists.txt").is_file() and (root / "csrc").is_dir() else None
+
+
+# ----------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------
+
+
+class _State:
+    def __init__(self, available: bool, reason: str, problem: Optional[str] = None, module=None):
+        self.available = available  # the kernel can be called
+        self.module = module        # the extension module, when one imported
+        self.warned = False
+        self.reason = reason        # what was registered, or why not
+        self.problem = problem      # an error or a stale build: warned about, or raised when required
 
 
 def _installed_extension():
@@ -25,12 +103,13 @@ def _installed_extension():
     `python -m pytest` / `python -m jax_attn_dist` run from a source checkout put
     the checkout first on sys.path, so `jax_attn_dist` is the source tree, which
     has no compiled `_cuda`; the one `pip install .` built is in site-packages.
+    Its build identity is then checked against the checkout (see _load).
     """
     try:
         dist = importlib.metadata.distribution("jax_attn_dist")
     except importlib.metadata.PackageNotFoundError:
         return None
-    from jax_attn_dist import __version__
+    from . import __version__
 
     if dist.version != __version__:  # its FFI contract may differ from this source tree's
         return None
@@ -43,42 +122,98 @@ def _installed_extension():
     return None
 
 
-def _load() -> Tuple[bool, str]:
+def _import_extension():
+    """(module or None, why not). An extension file that exists but fails to
+    import is a problem, not an absence."""
     try:
-        from jax_attn_dist import _cuda  # type: ignore[attr-defined]
+        from . import _cuda  # type: ignore[attr-defined]
+
+        return _cuda, None
     except ImportError as e:
-        _cuda = _installed_extension()
-        if _cuda is None:
-            return False, f"the CUDA extension jax_attn_dist._cuda is not built/importable ({e})"
+        missing = f"the CUDA extension jax_attn_dist._cuda is not built/importable ({e})"
+        try:
+            module = _installed_extension()
+        except Exception as e2:  # noqa: BLE001 - a broken binary must be reported, not crash the import
+            return None, f"the installed CUDA extension failed to load: {type(e2).__name__}: {e2}"
+        return module, (None if module is not None else missing)
+
+
+def _load() -> _State:
+    import jax
+
+    _cuda, why = _import_extension()
+    if _cuda is None:
+        broken = why.startswith("the installed CUDA extension failed")
+        return _State(False, why, problem=why if broken else None)
+
+    stale = None
+    checkout = source_checkout()
+    built = getattr(_cuda, "build_id", lambda: "unknown")()
+    if checkout is not None:
+        here = build_id_of(checkout)
+        if built != here:
+            stale = (
+                f"the loaded CUDA extension ({getattr(_cuda, '__file__', '?')}) was built from other sources "
+                f"than this checkout ({checkout}): build id {built[:12]} vs the checkout's {here[:12]}. Rebuild it "
+                "(pip install .) so that the kernel under test is the one in csrc/"
+            )
     try:
         registrations = dict(_cuda.registrations())
         if not registrations:
-            return False, "jax_attn_dist._cuda.registrations() is empty"
+            return _State(False, "jax_attn_dist._cuda.registrations() is empty", problem="no FFI targets registered",
+                          module=_cuda)
         for name, capsule in registrations.items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-    except Exception as e:  # registration must never break import or tracing
-        return False, f"registering the CUDA FFI targets failed: {type(e).__name__}: {e}"
-    return True, "registered: " + ", ".join(sorted(registrations))
+    except Exception as e:  # noqa: BLE001 - reported below: raised when required, else warned once
+        msg = f"registering the CUDA FFI targets failed: {type(e).__name__}: {e}"
+        return _State(False, msg, problem=msg, module=_cuda)
+    reason = "registered: " + ", ".join(sorted(registrations))
+    unknown = sorted(set(registrations) - set(FFI_TARGETS))
+    if unknown and stale is None:
+        stale = f"the CUDA extension registers FFI targets this package does not know: {unknown}"
+    return _State(True, reason + (f" (stale: {stale})" if stale else ""), problem=stale, module=_cuda)
 
 
-def ensure_registered() -> Tuple[bool, str]:
-    """Imports the extension and registers its FFI targets (once).
-    Returns (available, reason)."""
+def ensure_registered(required: bool = False):
+    """Imports the extension and registers its FFI targets (once). Returns
+    (available, reason). A problem (registration error, failed import, stale
+    build) raises RuntimeError when ``required`` or under
+    ``JAX_ATTN_DIST_REQUIRE_GPU``, and is warned about once otherwise."""
     global _state
     if _state is None:
         with _lock:
             if _state is None:
                 _state = _load()
-    return _state
+    if _state.problem:
+        if required or required_gpus():
+            raise RuntimeError(f"jax_attn_dist: the CUDA kernel is required but: {_state.problem}")
+        if not _state.warned:
+            _state.warned = True
+            warnings.warn(f"jax_attn_dist: {_state.problem}", RuntimeWarning, stacklevel=3)
+    return _state.available, _state.reason
 
 
-def kernel_available() -> bool:
-    """True when the compiled CUDA extension imported and its FFI handler is
+def kernel_available(required: bool = False) -> bool:
+    """True when the compiled CUDA extension imported and its FFI handlers are
     registered with XLA for CUDA. (It says nothing about whether a GPU is
     present: see ``jax.default_backend()``.)"""
-    return ensure_registered()[0]
+    return ensure_registered(required)[0]
 
 
 def kernel_unavailable_reason() -> str:
     """Why ``kernel_available()`` is False (or what was registered)."""
-    return ensure_registered()[1]
+    global _state
+    if _state is None:
+        ensure_registered()
+    return _state.reason
+
+
+def extension_module():
+    """The loaded extension module (None if there is none): for its
+    ``build_id()`` and the tests."""
+    if _state is None:
+        try:
+            ensure_registered()
+        except RuntimeError:
+            pass
+    return _state.module

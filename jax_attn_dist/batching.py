@@ -1,34 +1,38 @@
-"""``jax.vmap`` of ``attn_dist``: the batching rule of ``attn_dist_p``.
+"""``jax.vmap`` of the logical primitives: one batching rule for all of them.
 
-The primitive has a native leading batch dimension B on every operand, so a
-vmapped axis of size V folds into it: each operand's vmapped axis moves to the
-front (operands that are not vmapped are broadcast to V), ``[V, B, ...]``
-merges to ``[V * B, ...]``, the primitive is bound once, and its
-``[V * B, G, S, T]`` result splits back to ``[V, B, G, S, T]``. One launch, no
-loop; nested vmaps apply the rule once per level. Every (batch element, query
-row) is computed independently, so the result equals a Python loop over the
-vmapped axis.
+Every logical primitive has a native leading batch dimension B on every
+operand and result, so a vmapped axis of size V folds into it: each operand's
+vmapped axis moves to the front (operands that are not vmapped are broadcast
+to V), ``[V, B, ...]`` merges to ``[V * B, ...]``, the primitive is bound once,
+and each ``[V * B, ...]`` result splits back to ``[V, B, ...]``. One launch,
+no loop; nested vmaps apply the rule once per level. Every (batch element,
+query row) is computed independently, so the result equals a Python loop over
+the vmapped axis.
 
 Under explicit sharding (``jax.sharding.AxisType.Explicit``) the fold runs
-with those mesh axes made automatic (``jax.sharding.auto_axes``); the result
-keeps q's sharding of V, B and S and indices' sharding of T.
+with those mesh axes made automatic (``jax.sharding.auto_axes``); each result
+keeps the sharding of the operand it follows (its V, B and S dimensions).
 
 Note: an operand that is not vmapped is materialised V times (e.g. a shared
-``k`` under ``vmap`` over ``q`` only), since the kernel reads k per batch
-element.
+``k`` under ``vmap`` over ``q`` only), since the kernels read the keys per
+batch element.
 
-``jax.vmap`` over the public ``attn_dist`` with unbatched per-example inputs
-needs nothing more: ``attn_dist`` adds B = 1, and this rule folds the vmapped
-axis into it.
+``jax.vmap`` over the public functions with unbatched per-example inputs
+needs nothing more: they add B = 1, and this rule folds the vmapped axis into
+it.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 from jax.interpreters import batching
+from jax.sharding import PartitionSpec as P
 
+from .explicit_axes import dim_specs, run_with_auto_axes
+from .indexer_primitive import indexer_kl_bwd_p, indexer_kl_p
 from .primitive import attn_dist_p
-from .sharding import dim_specs, run_with_auto_axes
 
 
 def _to_front(x, axis, size: int):
@@ -37,24 +41,45 @@ def _to_front(x, axis, size: int):
     return jax.numpy.moveaxis(x, axis, 0)
 
 
-def attn_dist_batch_rule(batched_args, batch_dims, **params):
-    sizes = {x.shape[d] for x, d in zip(batched_args, batch_dims) if d is not None}
-    if len(sizes) != 1:
-        raise ValueError(f"attn_dist: vmapped operands disagree on the mapped axis size: {sorted(sizes)}")
-    (V,) = sizes
-    front = [_to_front(x, d, V) for x, d in zip(batched_args, batch_dims)]
+def fold_batch_rule(prim, out_specs: Callable):
+    """The batching rule of ``prim``. ``out_specs(front)`` gives the
+    PartitionSpec of each ``[V, B, ...]`` result from the operands moved to
+    the front (used only under explicit sharding)."""
 
-    def fold(*front):
-        B = front[0].shape[1]
-        merged = [x.reshape((V * B,) + tuple(x.shape[2:])) for x in front]
-        out = attn_dist_p.bind(*merged, **params)
-        return out.reshape((V, B) + tuple(out.shape[1:]))
+    def rule(batched_args, batch_dims, **params):
+        sizes = {x.shape[d] for x, d in zip(batched_args, batch_dims) if d is not None}
+        if len(sizes) != 1:
+            raise ValueError(f"{prim.name}: vmapped operands disagree on the mapped axis size: {sorted(sizes)}")
+        (V,) = sizes
+        front = [_to_front(x, d, V) for x, d in zip(batched_args, batch_dims)]
 
-    def out_sharding():  # [V, B, G, S, T]: V, B, S as q, T as indices
-        q_spec, i_spec = dim_specs(front[0]), dim_specs(front[2])
-        return jax.sharding.PartitionSpec(q_spec[0], q_spec[1], None, q_spec[2], i_spec[4])
+        def fold(*front):
+            B = front[0].shape[1]
+            merged = [x.reshape((V * B,) + tuple(x.shape[2:])) for x in front]
+            outs = prim.bind(*merged, **params)
+            split = lambda o: o.reshape((V, B) + tuple(o.shape[1:]))  # noqa: E731
+            return tuple(split(o) for o in outs) if prim.multiple_results else split(outs)
 
-    return run_with_auto_axes(fold, front, out_sharding), 0
+        out = run_with_auto_axes(fold, front, lambda: out_specs(front))
+        return (list(out), [0] * len(out)) if prim.multiple_results else (out, 0)
+
+    return rule
 
 
-batching.primitive_batchers[attn_dist_p] = attn_dist_batch_rule
+def _attn_dist_out(front):  # [V, B, G, S, T]: V, B, S as q, T as indices
+    q_spec, i_spec = dim_specs(front[0]), dim_specs(front[2])
+    return P(q_spec[0], q_spec[1], None, q_spec[2], i_spec[4])
+
+
+def _indexer_out(front):  # kl, lse [V, B, S]: as index_q
+    q_spec = dim_specs(front[0])
+    return (P(*q_spec[:3]),) * 2
+
+
+def _indexer_bwd_out(front):  # d index_q, d index_k, d weights: as their primals
+    return tuple(P(*dim_specs(front[i])) for i in (0, 1, 2))
+
+
+batching.primitive_batchers[attn_dist_p] = fold_batch_rule(attn_dist_p, _attn_dist_out)
+batching.primitive_batchers[indexer_kl_p] = fold_batch_rule(indexer_kl_p, _indexer_out)
+batching.primitive_batchers[indexer_kl_bwd_p] = fold_batch_rule(indexer_kl_bwd_p, _indexer_bwd_out)

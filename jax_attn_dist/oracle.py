@@ -1,9 +1,11 @@
-"""An independent float64 NumPy evaluation of SPEC §2 (no jax).
+"""An independent float64 NumPy evaluation of SPEC §2 and §5 (no jax).
 
-Used by the CPU tests (against the jnp reference) and the GPU tests (against
-the CUDA kernel). Inputs are taken exactly: bf16/f16/f32 values convert to
-float64 without rounding (through float32); integer arithmetic is int64 with
-Python's floor division.
+Written from docs/SPEC.md alone, sharing no code with the jnp paths: the
+demo checks its result against it on every machine, the CPU tests check the
+jnp paths and the GPU tests the CUDA kernels. Inputs are taken exactly:
+bf16/f16/f32 values convert to float64 without rounding (through float32);
+integer arithmetic is int64 with Python's floor division. Meant for test-sized
+problems (it materialises [S, H, T] arrays per batch element).
 """
 
 from __future__ import annotations
@@ -129,8 +131,143 @@ def spec_errors(out, ref):
     return float(rel), float(mx)
 
 
-def assert_within_spec(out, ref, tol=1e-4):
+#: SPEC §3: attn_dist against this oracle.
+ATTN_DIST_TOLERANCE = 1e-4
+#: SPEC §5.5: indexer_kl against this oracle, max |out - ref| <= tol * max(1, max |ref|).
+INDEXER_TOLERANCE = 2e-4
+
+
+def assert_within_spec(out, ref, tol=ATTN_DIST_TOLERANCE):
     """SPEC §3: ||out-ref||/||ref|| <= tol and max|out-ref| <= tol * max|ref|."""
     assert np.all(np.isfinite(np.asarray(out))), "output has non-finite values"
     rel, mx = spec_errors(out, ref)
     assert rel <= tol and mx <= tol, f"rel Frobenius error {rel:.3e}, max-abs error / max|ref| {mx:.3e} (tol {tol:g})"
+
+
+def indexer_error(out, ref) -> float:
+    """max |out - ref| / max(1, max |ref|) (SPEC §5.5)."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if out.size == 0:
+        return 0.0
+    return float(np.abs(out - ref).max() / max(1.0, np.abs(ref).max()))
+
+
+def assert_indexer_close(out, ref, tol=INDEXER_TOLERANCE):
+    """SPEC §5.5: max |out - ref| <= tol * max(1, max |ref|), everything finite."""
+    assert np.all(np.isfinite(np.asarray(out))), "output has non-finite values"
+    err = indexer_error(out, ref)
+    assert err <= tol, f"max-abs error / max(1, max|ref|) = {err:.3e} (tol {tol:g})"
+
+
+# ----------------------------------------------------------------------------
+# indexer_kl (SPEC §5)
+# ----------------------------------------------------------------------------
+
+
+def _indexer_prepare(index_q, index_k, weights, indices, target, q_start_index):
+    iq = to_f64(index_q)
+    ik = to_f64(index_k)
+    w = to_f64(weights)
+    idx = np.asarray(indices).astype(np.int64)
+    tg = np.asarray(target).astype(np.float64)
+    batched = iq.ndim == 4
+    if not batched:
+        iq, ik, w, idx, tg = iq[None], ik[None], w[None], idx[None], tg[None]
+    q_start = np.broadcast_to(np.asarray(q_start_index).astype(np.int64), (iq.shape[0],))
+    return batched, iq, ik, w, idx, tg, q_start
+
+
+def _indexer_batch(iq, ik, w, idx, tg, valid, scale):
+    """One batch element: z [S, HI, T], logits [S, T], valid [S, T], t [S, T]."""
+    N = ik.shape[0]
+    ic = np.clip(idx[:, 0, :], 0, max(N - 1, 0))               # [S, T]
+    kg = ik[ic] if N > 0 else np.zeros(ic.shape + (ik.shape[-1],))  # [S, T, DI]
+    z = np.einsum("shd,std->sht", iq, kg)
+    logits = scale * np.einsum("sh,sht->st", w, np.maximum(z, 0.0))
+    t = np.where(valid & (tg > 0), tg, 0.0)
+    return z, kg, logits, t
+
+
+def _log_softmax_valid(logits, valid):
+    x = np.where(valid, logits, -np.inf)
+    m = x.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.exp(x - m).sum(axis=-1, keepdims=True)) + m
+    return np.where(valid, logits - lse, -np.inf)
+
+
+def indexer_kl_oracle(index_q, index_k, weights, indices, target, *, scale=1.0, causal=True, q_start_index=0,
+                      k_stride=1):
+    """float64 [B?, S]: kl(s) = sum_j t (log t - log_p) per SPEC §5."""
+    batched, iq, ik, w, idx, tg, q_start = _indexer_prepare(index_q, index_k, weights, indices, target,
+                                                            q_start_index)
+    B, S = iq.shape[:2]
+    N = ik.shape[1]
+    out = np.zeros((B, S))
+    valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)[:, :, 0, :]
+    for b in range(B):
+        if S == 0 or idx.shape[-1] == 0:
+            continue
+        _, _, logits, t = _indexer_batch(iq[b], ik[b], w[b], idx[b], tg[b], valid[b], scale)
+        log_p = _log_softmax_valid(logits, valid[b])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(t > 0, t * (np.log(np.where(t > 0, t, 1.0)) - log_p), 0.0)
+        out[b] = terms.sum(axis=-1)
+    return out if batched else out[0]
+
+
+def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale=1.0, causal=True,
+                         q_start_index=0, k_stride=1):
+    """float64 gradients (d index_q, d index_k, d weights) of sum_s g(s) kl(s)
+    per SPEC §5.3's formulas (g [B?, S])."""
+    batched, iq, ik, w, idx, tg, q_start = _indexer_prepare(index_q, index_k, weights, indices, target,
+                                                            q_start_index)
+    gg = np.asarray(g).astype(np.float64)
+    if not batched:
+        gg = gg[None]
+    B, S = iq.shape[:2]
+    N = ik.shape[1]
+    d_iq, d_ik, d_w = np.zeros_like(iq), np.zeros_like(ik), np.zeros_like(w)
+    valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)[:, :, 0, :]
+    for b in range(B):
+        if S == 0 or idx.shape[-1] == 0:
+            continue
+        v = valid[b]
+        z, kg, logits, t = _indexer_batch(iq[b], ik[b], w[b], idx[b], tg[b], v, scale)
+        p = np.where(v, np.exp(_log_softmax_valid(logits, v)), 0.0)
+        tau = t.sum(axis=-1, keepdims=True)
+        dl = np.where(v & (tau > 0), gg[b][:, None] * (p * tau - t), 0.0)           # [S, T]
+        d_w[b] = scale * np.einsum("st,sht->sh", dl, np.maximum(z, 0.0))
+        dz = np.where(z > 0, dl[:, None, :] * scale * w[b][:, :, None], 0.0)       # [S, HI, T]
+        d_iq[b] = np.einsum("sht,std->shd", dz, kg)
+        contrib = np.einsum("sht,shd->std", dz, iq[b])                               # [S, T, DI]
+        keys = idx[b][:, 0, :]
+        np.add.at(d_ik[b], keys[v], contrib[v])
+    if not batched:
+        d_iq, d_ik, d_w = d_iq[0], d_ik[0], d_w[0]
+    return d_iq, d_ik, d_w
+
+
+def indexer_lse_oracle(index_q, index_k, weights, indices, *, scale=1.0, causal=True, q_start_index=0, k_stride=1):
+    """float64 [B?, S]: the log-sum-exp of each row's valid logits (-inf
+    for a row with none): the residual indexer_kl's forward saves."""
+    T = np.asarray(indices).shape[-1]
+    target = np.zeros(np.asarray(indices).shape[:-2] + (T,))
+    batched, iq, ik, w, idx, tg, q_start = _indexer_prepare(index_q, index_k, weights, indices, target,
+                                                            q_start_index)
+    B, S = iq.shape[:2]
+    N = ik.shape[1]
+    out = np.full((B, S), -np.inf)
+    valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)[:, :, 0, :]
+    for b in range(B):
+        if S == 0 or T == 0:
+            continue
+        _, _, logits, _ = _indexer_batch(iq[b], ik[b], w[b], idx[b], tg[b], valid[b], scale)
+        x = np.where(valid[b], logits, -np.inf)
+        m = x.max(axis=-1)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        with np.errstate(divide="ignore"):
+            out[b] = np.log(np.exp(x - m_safe[:, None]).sum(axis=-1)) + m_safe
+    return out if batched else out[0]

@@ -1,45 +1,43 @@
-"""Multi-device partitioning of ``attn_dist_p`` (``custom_partitioning``).
+"""Multi-device partitioning of the logical primitives (``custom_partitioning``).
 
-The outer, logical primitive ``attn_dist_p`` lowers through
-:func:`partitioned_lowering`: a ``jax.experimental.custom_partitioning``
-function whose per-shard body binds the inner primitive (``attn_dist_local_p``,
-same operands and parameters, lowered per platform to the CUDA kernel or the
-jnp reference). On one device, and inside a ``shard_map`` whose axes are all
-manual, custom_partitioning simply inlines the body, so the inner primitive
-sees the operands as they are.
+Each logical primitive (``attn_dist_p``, ``indexer_kl_p``,
+``indexer_kl_bwd_p``) lowers through :func:`partitioned_lowering`: a
+``jax.experimental.custom_partitioning`` function whose per-shard body binds
+the op's inner primitive (same operands and parameters, lowered per platform
+to a CUDA kernel or the jnp path). On one device, and inside a ``shard_map``
+whose axes are all manual, custom_partitioning simply inlines the body, so the
+inner primitive sees the operands as they are. What differs per op is an
+:class:`OpPartitioning`: its Shardy rule and its :class:`Decision`.
 
-Canonical operands and factors (Shardy sharding rule)::
+Every op here is row-parallel: the leading canonical dimensions of its
+"rows" operand (``q`` / ``index_q``) are B and S, and every output row
+(b, s) depends only on row (b, s) of the row operands and on the whole key
+array of batch element b. So:
 
-    q        [B, S, H, D]     b s h d
-    k        [B, N, HK, D]    b n hk d
-    indices  [B, S, HK, T]    b s hk t
-    lse      [B, S, H]        b s h
-    q_start  [B]              b
-    out      [B, G, S, T]     b g s t
+* ``b`` and ``s`` may be sharded; outputs follow. Sharding ``s`` moves each
+  shard's causal offset: the shard holding rows ``i*S_local ..`` gets
+  ``q_start + i*S_local``, with ``i`` from ``jax.lax.axis_index`` over the
+  mesh axes that shard S (inside the per-shard function; no collective). The
+  kernels compute every row independently, so sharded results equal the
+  unsharded ones bit for bit.
+* key arrays (``k``, ``index_k``) are replicated: all-gathered if they arrive
+  sharded over N or D (any query may select any key).
+* attn_dist: ``t`` (indices' T) may be sharded, and ``h`` in whole groups of
+  64 heads: when H is a multiple of 64, HK = 1 and G > 1 the rule writes q's
+  and lse's head dimension as the compound factor ``(g, hg)`` with ``hg`` =
+  64 and the output's G dimension as ``g``; the partition accepts a head
+  sharding only when every shard holds a whole number of groups
+  (``H % (64 * shards) == 0``), otherwise heads are gathered.
+* indexer_kl: T and HI are gathered (the per-row softmax over T and the sum
+  over heads would otherwise need collectives). Its backward's
+  ``d index_k`` sums over every row: each S-shard computes the partial sum
+  of its rows and the per-shard function ``psum``s it over the S axes.
 
-* ``b``, ``s`` and ``t`` may be sharded; the output follows. Every output
-  element (b, g, s, j) depends only on row (b, s) of q/lse/indices, slot j of
-  indices and the whole of k[b], so each shard computes its block alone.
-* Sharding ``s`` moves each shard's causal offset: the shard holding rows
-  ``i*S_local ..`` gets ``q_start + i*S_local``, with ``i`` from
-  ``jax.lax.axis_index`` over the mesh axes that shard S (computed inside the
-  per-shard function; no collective). The CUDA kernel computes every slot
-  independently, so the sharded result equals the unsharded one bit for bit.
-* ``h`` may be sharded in whole groups of 64 heads: when H is a multiple of
-  64, HK = 1 and G > 1, the rule writes q's and lse's head dimension as the
-  compound factor ``(g, hg)`` with ``hg`` = 64, and the output's G dimension
-  as ``g``. The partition accepts a head sharding only when every shard holds
-  a whole number of groups (``H % (64 * shards) == 0``); otherwise (H not a
-  multiple of 64, HK > 1, or a split inside a group) heads are gathered:
-  q and lse are all-gathered over H and the output is not sharded over G.
-* ``n``, ``hk`` and ``d`` are replicated: k is all-gathered if it arrives
-  sharded over N, HK or D; q's D likewise.
-
-No other collective is inserted. The partition callback reads the operands'
-shardings and decides (``Decision``): q gives B, S and H, indices gives T;
-operands that disagree are resharded to match by XLA. The legacy GSPMD
-propagation (``jax_use_shardy_partitioner=False``) is served by the same
-decision through ``infer_sharding_from_operands``.
+The partition callback reads the operands' shardings and decides
+(``Decision``): the rows operand gives B, S (and H); attn_dist's indices give
+T; operands that disagree are resharded by XLA. The legacy GSPMD propagation
+(``jax_use_shardy_partitioner=False``) is served by the same decision through
+``infer_sharding_from_operands``.
 
 Inside a ``shard_map`` every shard sees its own rows: the caller passes each
 shard's ``q_start_index`` (``q_start_index + axis_index("sp") * S_local``).
@@ -50,9 +48,10 @@ and XLA partitions it over the automatic axes like any other op.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
-from typing import Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -65,65 +64,17 @@ from jax.experimental.custom_partitioning import (
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._contract import HEADS_PER_GROUP
-
-_INT32_MAX = np.iinfo(np.int32).max
-
-#: Positions of the static parameters (sm_scale, causal, k_stride, lse_base,
-#: implementation), which follow the five operands.
-_STATIC_ARGNUMS = (5, 6, 7, 8, 9)
+from ._contract import HEADS_PER_GROUP, INT32_MAX
 
 
 # ----------------------------------------------------------------------------
-# which dimensions may be sharded
+# reading shardings
 # ----------------------------------------------------------------------------
 
 
-def heads_shardable(H: int, HK: int) -> bool:
-    """Whether the head dimension can be split in whole 64-head groups at all
-    (it then also needs ``H % (64 * shards) == 0``)."""
-    return HK == 1 and H % HEADS_PER_GROUP == 0 and H // HEADS_PER_GROUP > 1
-
-
-def sharding_rule(*static_and_mesh_and_types):
-    """Shardy rule (called by custom_partitioning with the static parameters,
-    the mesh, and the MLIR operand and result types)."""
-    operand_types = static_and_mesh_and_types[-2]
-    q_shape = tuple(operand_types[0].shape)
-    k_shape = tuple(operand_types[1].shape)
-    H, HK = q_shape[2], k_shape[2]
-    need_replication = ["n", "hk", "d"]
-    if heads_shardable(H, HK):
-        h = CompoundFactor("g", "hg")
-        sizes = {"hg": HEADS_PER_GROUP}
-        need_replication.append("hg")
-    else:
-        # Heads cannot be split in whole groups: gathered (replicated).
-        h = "h"
-        sizes = {}
-        need_replication += ["h", "g"]
-    operands = (
-        ("b", "s", h, "d"),       # q
-        ("b", "n", "hk", "d"),    # k
-        ("b", "s", "hk", "t"),    # indices
-        ("b", "s", h),            # lse
-        ("b",),                   # q_start
-    )
-    results = (("b", "g", "s", "t"),)
-    # The MLIR verifier wants special factors in the order in which the
-    # factors are numbered (first appearance); jax passes them as given.
-    order = []
-    for mapping in operands + results:
-        for dim in mapping:
-            for f in (dim if isinstance(dim, tuple) else (dim,)):
-                if f not in order:
-                    order.append(f)
-    return SdyShardingRule(
-        operand_mappings=operands,
-        result_mappings=results,
-        need_replication_factors=tuple(sorted(need_replication, key=order.index)),
-        **sizes,
-    )
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn("jax_attn_dist.sharding: " + message, RuntimeWarning, stacklevel=3)
 
 
 def _axes(entry) -> Tuple[str, ...]:
@@ -149,7 +100,7 @@ def _spec(sharding, mesh, ndim: int) -> Tuple[Tuple[str, ...], ...]:
             to_hlo = sharding._to_xla_hlo_sharding
         except (ImportError, AttributeError) as e:
             _warn_once(f"cannot read operand shardings with this jax ({e}); every operand of a sharded "
-                       "attn_dist call is gathered (correct, but slow)")
+                       "call is gathered (correct, but slow)")
             return ((),) * ndim
         try:
             spec = tuple(parse_flatten_op_sharding(to_hlo(ndim), mesh)[0])
@@ -172,45 +123,64 @@ def _size(mesh, axes: Sequence[str]) -> int:
     return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)) if axes else 1
 
 
+# ----------------------------------------------------------------------------
+# decisions: which mesh axes shard which dimension
+# ----------------------------------------------------------------------------
+
+
 class Decision:
-    """The mesh axes that shard B, S, H (and G) and T, from the operands'
-    shardings: q decides B, S and H; indices decides T. Axes already used by
-    an earlier dimension are dropped, and a split that does not apply
-    (heads not in whole groups) is replaced by replication."""
+    """The mesh axes that shard B and S, from the rows operand's sharding
+    (operand 0, canonical ``[B, S, ...]``). Subclasses add dimensions and
+    define ``arg_shardings`` / ``out_shardings`` and, where a result is a
+    partial sum over rows, ``finish``."""
 
     def __init__(self, mesh, shapes, shardings):
-        q_shape, k_shape, i_shape = shapes[0], shapes[1], shapes[2]
-        B, S, H, _ = q_shape
-        HK, T = k_shape[2], i_shape[3]
-        q_spec = _spec(shardings[0], mesh, 4)
-        i_spec = _spec(shardings[2], mesh, 4)
-        used = set()
-
-        def take(axes, size):
-            """The longest prefix of ``axes`` that is free and splits
-            ``size`` (the per-shard unit) evenly; marks it used."""
-            kept = []
-            for a in axes:
-                if a in used or a not in mesh.shape:
-                    break
-                kept.append(a)
-            # An uneven (padded) split would stay correct for B, S and T, but
-            # keep every shard's block whole and exact.
-            while kept and size % _size(mesh, kept) != 0:
-                kept.pop()
-            used.update(kept)
-            return tuple(kept)
-
         self.mesh = mesh
-        self.b = take(q_spec[0], B)
-        self.s = take(q_spec[1], S)
-        # Heads: only in whole 64-head groups, i.e. the group count G splits.
-        self.h = take(q_spec[2], H // HEADS_PER_GROUP) if heads_shardable(H, HK) else ()
-        self.t = take(i_spec[3], T)
+        self.used = set()
+        B, S = shapes[0][:2]
+        rows_spec = _spec(shardings[0], mesh, len(shapes[0]))
+        self.b = self.take(rows_spec[0], B)
+        self.s = self.take(rows_spec[1], S)
         self.s_local = S // _size(mesh, self.s)
+
+    def take(self, axes, size: int) -> Tuple[str, ...]:
+        """The longest prefix of ``axes`` that is free and splits ``size`` (the
+        per-shard unit) evenly; marks it used. (An uneven, padded split would
+        stay correct for B, S and T, but keeps every shard's block whole.)"""
+        kept = []
+        for a in axes:
+            if a in self.used or a not in self.mesh.shape:
+                break
+            kept.append(a)
+        while kept and size % _size(self.mesh, kept) != 0:
+            kept.pop()
+        self.used.update(kept)
+        return tuple(kept)
 
     def named(self, *entries):
         return NamedSharding(self.mesh, P(*(_entry(e) for e in entries)))
+
+    def finish(self, outs):
+        """Per-shard post-processing of the inner primitive's results."""
+        return outs
+
+
+def heads_shardable(H: int, HK: int) -> bool:
+    """Whether attn_dist's head dimension can be split in whole 64-head groups
+    at all (it then also needs ``H % (64 * shards) == 0``)."""
+    return HK == 1 and H % HEADS_PER_GROUP == 0 and H // HEADS_PER_GROUP > 1
+
+
+class AttnDistDecision(Decision):
+    """attn_dist: B, S and (whole 64-head groups of) H from q; T from indices."""
+
+    def __init__(self, mesh, shapes, shardings):
+        super().__init__(mesh, shapes, shardings)
+        H, HK = shapes[0][2], shapes[1][2]
+        q_spec = _spec(shardings[0], mesh, 4)
+        i_spec = _spec(shardings[2], mesh, 4)
+        self.h = self.take(q_spec[2], H // HEADS_PER_GROUP) if heads_shardable(H, HK) else ()
+        self.t = self.take(i_spec[3], shapes[2][3])
 
     @property
     def arg_shardings(self):
@@ -224,8 +194,134 @@ class Decision:
         )
 
     @property
-    def out_sharding(self):
-        return self.named(self.b, self.h, self.s, self.t)
+    def out_shardings(self):
+        return self.named(self.b, self.h, self.s, self.t)  # out [B, G, S, T]
+
+
+class IndexerDecision(Decision):
+    """indexer_kl forward: B and S from index_q; HI, DI, N and T whole."""
+
+    @property
+    def arg_shardings(self):
+        b, s = self.b, self.s
+        return (
+            self.named(b, s, (), ()),     # index_q
+            self.named(b, (), ()),        # index_k
+            self.named(b, s, ()),         # weights
+            self.named(b, s, (), ()),     # indices
+            self.named(b, s, ()),         # target
+            self.named(b),                # q_start
+        )
+
+    @property
+    def out_shardings(self):
+        return (self.named(self.b, self.s),) * 2  # kl, lse [B, S]
+
+
+class IndexerBwdDecision(IndexerDecision):
+    """indexer_kl backward: as the forward, plus lse and g [B, S]; d index_k
+    is a sum over every row, so each S-shard's partial sum is psum'ed."""
+
+    @property
+    def arg_shardings(self):
+        rows = self.named(self.b, self.s)
+        return super().arg_shardings + (rows, rows)  # lse, g
+
+    @property
+    def out_shardings(self):
+        b, s = self.b, self.s
+        return (self.named(b, s, (), ()), self.named(b, (), ()), self.named(b, s, ()))  # dq, dk, dw
+
+    def finish(self, outs):
+        d_index_q, d_index_k, d_weights = outs
+        if self.s:
+            d_index_k = jax.lax.psum(d_index_k, self.s)
+        return d_index_q, d_index_k, d_weights
+
+
+# ----------------------------------------------------------------------------
+# Shardy rules
+# ----------------------------------------------------------------------------
+
+
+def _sdy_rule(operands, results, replicated, **sizes) -> SdyShardingRule:
+    # The MLIR verifier wants special factors in the order in which the
+    # factors are numbered (first appearance); jax passes them as given.
+    order = []
+    for mapping in operands + results:
+        for dim in mapping:
+            for f in (dim if isinstance(dim, tuple) else (dim,)):
+                if f not in order:
+                    order.append(f)
+    return SdyShardingRule(
+        operand_mappings=operands,
+        result_mappings=results,
+        need_replication_factors=tuple(sorted(set(replicated), key=order.index)),
+        **sizes,
+    )
+
+
+def attn_dist_rule(*static_and_mesh_and_types):
+    """attn_dist: q b s h d; k b n hk d; indices b s hk t; lse b s h;
+    q_start b -> out b g s t (h = (g, hg) when heads split in groups)."""
+    operand_types = static_and_mesh_and_types[-2]
+    H, HK = tuple(operand_types[0].shape)[2], tuple(operand_types[1].shape)[2]
+    replicated = ["n", "hk", "d"]
+    if heads_shardable(H, HK):
+        h = CompoundFactor("g", "hg")
+        sizes = {"hg": HEADS_PER_GROUP}
+        replicated.append("hg")
+    else:  # heads cannot be split in whole groups: gathered
+        h = "h"
+        sizes = {}
+        replicated += ["h", "g"]
+    operands = (("b", "s", h, "d"), ("b", "n", "hk", "d"), ("b", "s", "hk", "t"), ("b", "s", h), ("b",))
+    return _sdy_rule(operands, (("b", "g", "s", "t"),), replicated, **sizes)
+
+
+_INDEXER_OPERANDS = (("b", "s", "h", "d"), ("b", "n", "d"), ("b", "s", "h"), ("b", "s", "one", "t"),
+                     ("b", "s", "t"), ("b",))
+_INDEXER_REPLICATED = ("h", "d", "n", "one", "t")
+
+
+def indexer_rule(*static_and_mesh_and_types):
+    """indexer_kl forward: index_q b s h d; index_k b n d; weights b s h;
+    indices b s one t; target b s t; q_start b -> kl, lse b s."""
+    return _sdy_rule(_INDEXER_OPERANDS, (("b", "s"), ("b", "s")), _INDEXER_REPLICATED)
+
+
+def indexer_bwd_rule(*static_and_mesh_and_types):
+    """indexer_kl backward: the forward's operands, lse b s, g b s ->
+    d index_q b s h d, d index_k b n d, d weights b s h."""
+    operands = _INDEXER_OPERANDS + (("b", "s"), ("b", "s"))
+    results = (("b", "s", "h", "d"), ("b", "n", "d"), ("b", "s", "h"))
+    return _sdy_rule(operands, results, _INDEXER_REPLICATED)
+
+
+# ----------------------------------------------------------------------------
+# the custom_partitioning function
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OpPartitioning:
+    """How one logical primitive partitions: its operand count, the names of
+    its static parameters (in bind order, after the operands), the position
+    of its ``q_start`` operand, its Shardy rule and its Decision class."""
+
+    num_operands: int
+    param_names: Tuple[str, ...]
+    q_start_operand: int
+    rule: Callable
+    decision: type
+    multiple_results: bool
+
+
+ATTN_DIST = OpPartitioning(5, ("sm_scale", "causal", "k_stride", "lse_base", "implementation"), 4,
+                           attn_dist_rule, AttnDistDecision, False)
+_INDEXER_PARAMS = ("scale", "causal", "k_stride", "deterministic", "implementation")
+INDEXER_FWD = OpPartitioning(6, _INDEXER_PARAMS, 5, indexer_rule, IndexerDecision, True)
+INDEXER_BWD = OpPartitioning(8, _INDEXER_PARAMS, 5, indexer_bwd_rule, IndexerBwdDecision, True)
 
 
 def shard_offset(q_start, s_axes: Tuple[str, ...], s_local: int):
@@ -235,54 +331,53 @@ def shard_offset(q_start, s_axes: Tuple[str, ...], s_local: int):
     if not s_axes:
         return q_start
     offset = (jax.lax.axis_index(s_axes) * s_local).astype(jnp.int32)
-    return jnp.where(q_start > _INT32_MAX - offset, jnp.int32(_INT32_MAX), q_start + offset)
+    return jnp.where(q_start > INT32_MAX - offset, jnp.int32(INT32_MAX), q_start + offset)
 
 
-# ----------------------------------------------------------------------------
-# the custom_partitioning function
-# ----------------------------------------------------------------------------
-
-
-def partitioned_lowering(inner_p):
-    """Returns the MLIR lowering rule of the outer primitive: a
+def partitioned_lowering(inner_p, op: OpPartitioning):
+    """Returns the MLIR lowering rule of a logical primitive: a
     custom_partitioning function whose per-shard body binds ``inner_p``."""
+    n = op.num_operands
 
-    def bind(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, implementation):
-        return inner_p.bind(
-            q, k, indices, lse, q_start, sm_scale=sm_scale, causal=causal,
-            k_stride=k_stride, lse_base=lse_base, implementation=implementation,
-        )
+    def bind(*args):
+        operands, static = args[:n], args[n:]
+        return inner_p.bind(*operands, **dict(zip(op.param_names, static)))
 
-    fn = custom_partitioning(bind, static_argnums=_STATIC_ARGNUMS)
+    fn = custom_partitioning(bind, static_argnums=tuple(range(n, n + len(op.param_names))))
 
-    def partition(sm_scale, causal, k_stride, lse_base, implementation, mesh, arg_shapes, result_shape):
-        decision = _decide(mesh, arg_shapes)
-        s_axes, s_local = decision.s, decision.s_local
+    def partition(*static_mesh_shapes):
+        *static, mesh, arg_shapes, result_shape = static_mesh_shapes
+        decision = _decide(op, mesh, arg_shapes)
 
-        def per_shard(q, k, indices, lse, q_start):
-            q_start = shard_offset(q_start, s_axes, s_local)
-            return bind(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, implementation)
+        def per_shard(*operands):
+            operands = list(operands)
+            operands[op.q_start_operand] = shard_offset(operands[op.q_start_operand], decision.s, decision.s_local)
+            return decision.finish(bind(*operands, *static))
 
-        return mesh, per_shard, decision.out_sharding, decision.arg_shardings
+        return mesh, per_shard, out_shardings(decision), decision.arg_shardings
 
-    def infer_sharding_from_operands(sm_scale, causal, k_stride, lse_base, implementation, mesh, arg_shapes, result_shape):
-        return _decide(mesh, arg_shapes).out_sharding
+    def infer_sharding_from_operands(*static_mesh_shapes):
+        *_, mesh, arg_shapes, result_shape = static_mesh_shapes
+        return out_shardings(_decide(op, mesh, arg_shapes))
+
+    def out_shardings(decision):  # custom_partitioning wants a list for several results
+        return list(decision.out_shardings) if op.multiple_results else decision.out_shardings
 
     fn.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer_sharding_from_operands,
-        sharding_rule=sharding_rule,
+        sharding_rule=op.rule,
         # We read the operands' shardings ourselves (see _spec): jax's decoding
         # fails on the Shardy sub-axis shardings that a head split inside a
         # group can give the result.
         decode_shardings=False,
     )
 
-    def call(q, k, indices, lse, q_start, *, sm_scale, causal, k_stride, lse_base, implementation):
-        return fn(q, k, indices, lse, q_start, sm_scale, causal, k_stride, lse_base, implementation)
+    def call(*operands, **params):
+        return fn(*operands, *(params[name] for name in op.param_names))
 
-    lower_call = mlir.lower_fun(call, multiple_results=False)
-    lower_inner = mlir.lower_fun(functools.partial(_bind_kw, inner_p), multiple_results=False)
+    lower_call = mlir.lower_fun(call, multiple_results=op.multiple_results)
+    lower_inner = mlir.lower_fun(inner_p.bind, multiple_results=op.multiple_results)
 
     def lowering(ctx, *args, **params):
         axis_context = getattr(ctx.module_context, "axis_context", None)
@@ -301,21 +396,10 @@ def partitioned_lowering(inner_p):
     return lowering
 
 
-def _bind_kw(inner_p, *args, **params):
-    return inner_p.bind(*args, **params)
-
-
-_PARTLY_MANUAL = (
-    "attn_dist: cannot partition a call inside a shard_map over a subset of the "
-    "mesh axes; make every mesh axis manual (the shard_map default) and pass "
-    "each shard's q_start_index, or use jax.jit with shardings"
-)
-
-
-def register_partitioned_lowering(outer_p, inner_p) -> None:
+def register_partitioned_lowering(outer_p, inner_p, op: OpPartitioning) -> None:
     """Makes ``outer_p`` lower through the custom_partitioning function that
     binds ``inner_p`` per shard."""
-    mlir.register_lowering(outer_p, partitioned_lowering(inner_p))
+    mlir.register_lowering(outer_p, partitioned_lowering(inner_p, op))
     # custom_partitioning needs the device assignment while lowering; jit
     # supplies it only for jaxprs holding a primitive of this registry (a
     # private one, used the same way by jax's own cuDNN wrappers and by
@@ -325,18 +409,20 @@ def register_partitioned_lowering(outer_p, inner_p) -> None:
 
         dispatch.prim_requires_devices_during_lowering.add(outer_p)
     except (ImportError, AttributeError) as e:  # private: must never break the import
-        _warn_once(f"jax internals changed ({e}); attn_dist may fail to lower for several devices")
+        _warn_once(f"jax internals changed ({e}); jax_attn_dist may fail to lower for several devices")
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    warnings.warn("jax_attn_dist.sharding: " + message, RuntimeWarning, stacklevel=3)
+_PARTLY_MANUAL = (
+    "jax_attn_dist: cannot partition a call inside a shard_map over a subset of the "
+    "mesh axes; make every mesh axis manual (the shard_map default) and pass "
+    "each shard's q_start_index, or use jax.jit with shardings"
+)
 
 
-def _decide(mesh, arg_shapes) -> Decision:
+def _decide(op: OpPartitioning, mesh, arg_shapes) -> Decision:
     if mesh.empty:
         raise NotImplementedError(
-            "attn_dist: a sharded call needs a mesh: shard its inputs with "
+            "jax_attn_dist: a sharded call needs a mesh: shard its inputs with "
             "NamedSharding (jax.jit in_shardings/out_shardings, device_put) or "
             "call it under `with jax.set_mesh(mesh)`"
         )
@@ -344,14 +430,14 @@ def _decide(mesh, arg_shapes) -> Decision:
     shardings = [a.sharding for a in arg_shapes]
     if any(_partly_manual(s, len(shape), mesh) for s, shape in zip(shardings, shapes)):
         raise NotImplementedError(_PARTLY_MANUAL)
-    return Decision(mesh, shapes, shardings)
+    return op.decision(mesh, shapes, shardings)
 
 
 def _partly_manual(sharding, ndim: int, mesh) -> bool:
     """In a shard_map that leaves some mesh axes automatic, XLA partitions the
     call once per manual group, on shardings over that group's devices only
     (answering with shardings over the whole mesh crashes XLA)."""
-    if isinstance(sharding, NamedSharding):
+    if sharding is None or isinstance(sharding, NamedSharding):
         return False
     try:
         from jax._src.lib import xla_client as xc
@@ -360,47 +446,7 @@ def _partly_manual(sharding, ndim: int, mesh) -> bool:
         if hlo.is_tiled() and len(hlo.tile_assignment_devices()) != mesh.size:
             return True
         return hlo.is_manual() or xc.OpSharding.Type.MANUAL in hlo.subgroup_types()
-    except Exception:
+    except Exception as e:  # private API: say so instead of silently assuming "not manual"
+        _warn_once(f"cannot inspect an operand sharding with this jax ({type(e).__name__}: {e}); "
+                   "assuming it is not a partly-manual shard_map sharding")
         return False
-
-
-# ----------------------------------------------------------------------------
-# explicit sharding (jax.sharding.AxisType.Explicit, the default of
-# jax.make_mesh): the jnp code of the backward (autodiff.py) and of the vmap
-# fold (batching.py) merges and splits dimensions, which explicitly-sharded
-# types do not allow in general, so it runs with those axes made automatic
-# (XLA partitions it), giving results sharded as given.
-# ----------------------------------------------------------------------------
-
-
-def _explicit_axes(xs):
-    """(abstract mesh, names of its Explicit axes) of the first operand whose
-    type is sharded over an Explicit mesh axis; (None, ()) if none is."""
-    explicit = jax.sharding.AxisType.Explicit
-    for x in xs:
-        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        names = getattr(mesh, "axis_names", ())
-        types = getattr(mesh, "axis_types", ())
-        axes = tuple(n for n, t in zip(names, types) if t == explicit)
-        if axes:
-            return mesh, axes
-    return None, ()
-
-
-def dim_specs(x) -> tuple:
-    """The PartitionSpec entries of x's type, one per dimension."""
-    spec = tuple(jax.typeof(x).sharding.spec)
-    return spec + (None,) * (x.ndim - len(spec))
-
-
-def run_with_auto_axes(fn, args, out_sharding):
-    """``fn(*args)``; when an operand is typed with Explicit mesh axes, runs it
-    under ``jax.sharding.auto_axes`` over those axes with outputs sharded as
-    ``out_sharding()`` (a PartitionSpec, or a tuple of them for several outputs;
-    PartitionSpec objects, so that a compound entry like ("a", "b") in one
-    output's spec is never mistaken for several outputs)."""
-    mesh, axes = _explicit_axes(args)
-    if not axes:
-        return fn(*args)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_sharding())(*args)

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _contract
-from .reference import _causal_parts, _row_chunked, _valid_slots, exact_lse_canonical
+from ._chunks import causal_parts, row_chunked, valid_slots
+from .reference import exact_lse_canonical
 
 
 @dataclasses.dataclass
@@ -75,7 +76,7 @@ def _topk_indices(key, B, S, N, HK, T, q_start, *, causal, k_stride):
     R = B * S
     kk = min(T, N)
     C = max(1, min(R, (64 << 20) // max(HK * N * 4, 1)))
-    qq, qr = _causal_parts(q_start, k_stride)
+    qq, qr = causal_parts(q_start, k_stride)
     keys_all = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (1, HK, N))
 
     def body(start):
@@ -83,7 +84,7 @@ def _topk_indices(key, B, S, N, HK, T, q_start, *, causal, k_stride):
         scores = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (HK, N)))(rows)
         b_rows = rows // S
         s_rows = rows - b_rows * S
-        visible, _ = _valid_slots(
+        visible, _ = valid_slots(
             jnp.broadcast_to(keys_all, (C, HK, N)), b_rows, s_rows, qq, qr,
             N=N, causal=causal, k_stride=k_stride,
         )
@@ -94,7 +95,7 @@ def _topk_indices(key, B, S, N, HK, T, q_start, *, causal, k_stride):
             idx = jnp.concatenate([idx, jnp.full((C, HK, T - kk), -1, jnp.int32)], axis=-1)
         return idx
 
-    return _row_chunked(body, R, C, (HK, T), jnp.int32).reshape(B, S, HK, T)
+    return row_chunked(body, R, C, (HK, T), jnp.int32).reshape(B, S, HK, T)
 
 
 def make_problem(
@@ -186,3 +187,41 @@ def within_spec(out, ref, tol: float = SPEC_TOLERANCE) -> bool:
     """SPEC §3: ||out-ref||/||ref|| <= tol and max|out-ref| <= tol * max|ref|."""
     rel, max_abs, max_ref = compare(out, ref)
     return rel <= tol and max_abs <= tol * max_ref
+
+
+# ----------------------------------------------------------------------------
+# the lightning indexer (SPEC §5)
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SyntheticIndexer:
+    """Indexer inputs matching a :class:`SyntheticProblem`'s rows and keys."""
+
+    index_q: Any   # [B?, S, HI, DI]
+    index_k: Any   # [B?, N, DI]
+    weights: Any   # [B?, S, HI] float32
+
+    @property
+    def arrays(self):
+        return (self.index_q, self.index_k, self.weights)
+
+    def flops(self, T: int) -> int:
+        """2 * B * S * HI * T * DI: the index_q . index_k products."""
+        *lead, HI, DI = self.index_q.shape
+        return 2 * int(np.prod(lead)) * HI * T * DI
+
+
+def make_indexer(problem: SyntheticProblem, *, HI: int = 64, DI: int = 128, dtype=jnp.bfloat16,
+                 weights_dtype=jnp.float32, seed: int = 0) -> SyntheticIndexer:
+    """Seeded random indexer inputs for ``problem``'s queries and keys:
+    index_q, index_k ~ N(0, 1/sqrt(DI)) per element (so z ~ N(0, 1)) and
+    weights ~ N(0, 1/sqrt(HI)), as DeepSeek folds HI**-0.5 into them; the
+    logits then spread over a few units."""
+    lead = problem.q.shape[:-3]
+    S, N = problem.q.shape[-3], problem.k.shape[-3]
+    kq, kk, kw = jax.random.split(jax.random.key(seed + 7919), 3)
+    index_q = (jax.random.normal(kq, lead + (S, HI, DI), jnp.float32) * DI ** -0.25).astype(dtype)
+    index_k = (jax.random.normal(kk, lead + (N, DI), jnp.float32) * DI ** -0.25).astype(dtype)
+    weights = (jax.random.normal(kw, lead + (S, HI), jnp.float32) * HI ** -0.5).astype(weights_dtype)
+    return SyntheticIndexer(index_q, index_k, weights)

@@ -1,0 +1,94 @@
+"""The indexer loss's logical primitives (SPEC §5) and their lowerings.
+
+* ``indexer_kl_p``: (index_q [B,S,HI,DI], index_k [B,N,DI], weights [B,S,HI],
+  indices [B,S,1,T] int32, target [B,S,T] f32, q_start [B] int32)
+  -> (kl [B,S] f32, lse [B,S] f32). ``lse`` is the per-row log-sum-exp of
+  the valid logits, the residual the backward uses.
+* ``indexer_kl_bwd_p``: the same operands plus ``lse`` and the cotangent
+  ``g`` [B,S] -> (d index_q, d index_k, d weights) in the primal dtypes.
+
+Static parameters: ``scale`` (float), ``causal`` (bool), ``k_stride`` (int),
+``deterministic`` (bool) and ``implementation`` (None/"cuda"/"xla").
+
+As for attn_dist (``primitive.py``), each lowers through custom_partitioning
+(``sharding.py``) to an inner per-shard primitive, whose CUDA lowering calls
+the SM90 forward kernel where it applies. The backward is the chunked jnp
+pass on every platform.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _contract, sharding
+from ._contract import FFI_INDEXER_FWD
+from .backward import indexer_bwd_canonical
+from .primitive import define_primitive, register_platform_lowerings
+from .reference import indexer_reference_canonical
+
+
+def _fwd_abstract(index_q, index_k, weights, indices, target, q_start, **params):
+    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start)
+    row = jax.core.ShapedArray(problem.canonical_out_shape, jnp.float32)
+    return row, row
+
+
+def _bwd_abstract(index_q, index_k, weights, indices, target, q_start, lse, g, **params):
+    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start)
+    for name, x in (("lse", lse), ("g", g)):
+        if tuple(x.shape) != problem.canonical_out_shape or jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
+            raise ValueError(
+                f"indexer_kl backward: `{name}` must be float32 {list(problem.canonical_out_shape)}, "
+                f"got {jnp.dtype(x.dtype).name} {list(x.shape)}"
+            )
+    return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (index_q, index_k, weights))
+
+
+indexer_kl_p = define_primitive("indexer_kl", _fwd_abstract, multiple_results=True)
+indexer_kl_local_p = define_primitive("indexer_kl_local", _fwd_abstract, multiple_results=True)
+indexer_kl_bwd_p = define_primitive("indexer_kl_bwd", _bwd_abstract, multiple_results=True)
+indexer_kl_bwd_local_p = define_primitive("indexer_kl_bwd_local", _bwd_abstract, multiple_results=True)
+
+
+def _ffi_forward(index_q, index_k, weights, indices, target, q_start, *, scale, causal, k_stride,
+                 deterministic, implementation):
+    """The SM90 forward kernel through XLA's FFI. Operand order, attribute
+    names and types are the C++ handler's contract (csrc/ffi.cc):
+    Buffer<BF16> index_q [B,S,HI,DI], Buffer<BF16> index_k [B,N,DI],
+    Buffer<F32> weights [B,S,HI], Buffer<S32> indices [B,S,1,T],
+    Buffer<F32> target [B,S,T], Buffer<S32> q_start [B]; attrs scale f32,
+    causal bool, k_stride int32; results Buffer<F32> kl [B,S],
+    Buffer<F32> lse [B,S]."""
+    row = jax.ShapeDtypeStruct(index_q.shape[:2], jnp.float32)
+    return jax.ffi.ffi_call(FFI_INDEXER_FWD, (row, row))(
+        index_q, index_k, weights.astype(jnp.float32), indices, target, q_start,
+        scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),
+    )
+
+
+def _forward_jnp(*operands, scale, causal, k_stride, **unused):
+    return indexer_reference_canonical(*operands, scale=scale, causal=causal, k_stride=k_stride)
+
+
+def _backward_jnp(*operands, scale, causal, k_stride, deterministic, **unused):
+    return indexer_bwd_canonical(*operands, scale=scale, causal=causal, k_stride=k_stride,
+                                 deterministic=deterministic)
+
+
+register_platform_lowerings(
+    indexer_kl_local_p, who="indexer_kl", check=_contract.check_indexer_canonical,
+    supports=_contract.indexer_kernel_supports, jnp_impl=_forward_jnp, kernel_impl=_ffi_forward,
+    multiple_results=True,
+)
+# The backward has no CUDA kernel yet: the jnp pass on every platform (with
+# implementation="cuda" it still runs, the choice applies to the forward).
+register_platform_lowerings(
+    indexer_kl_bwd_local_p, who="indexer_kl backward",
+    check=lambda *avals: _contract.check_indexer_canonical(*avals[:6]),
+    supports=lambda problem: (False, "no CUDA backward kernel yet"), jnp_impl=_backward_jnp, kernel_impl=None,
+    multiple_results=True,
+)
+sharding.register_partitioned_lowering(indexer_kl_p, indexer_kl_local_p, sharding.INDEXER_FWD)
+sharding.register_partitioned_lowering(indexer_kl_bwd_p, indexer_kl_bwd_local_p, sharding.INDEXER_BWD)
