@@ -63,3 +63,30 @@ def assert_grad_close(got, want, name, rtol, atol_frac=None):
         f"{name}: {bad.sum()} of {bad.size} elements off; max err {err.max():.3e}, "
         f"max |ref| {scale:.3e}, worst at {np.unravel_index(np.argmax(err - rtol * np.abs(want)), err.shape)}"
     )
+
+
+def plain_indexer_kl(index_q, index_k, weights, indices, target, *, scale=1.0, causal=True, q_start_index=0,
+                     k_stride=1):
+    """SPEC §5 in float32, written out: gather, einsum, relu, weighted sum,
+    masked log_softmax, KL. Materialises everything; differentiable by
+    jax.grad (double-where masking keeps NaN out of the gradients)."""
+    batched = index_q.ndim == 4
+    if not batched:
+        index_q, index_k, weights, indices, target = (x[None] for x in (index_q, index_k, weights, indices, target))
+    B, S, HI, DI = index_q.shape
+    N = index_k.shape[1]
+    idx = indices[:, :, 0, :]
+    valid = (idx >= 0) & (idx < N)
+    if causal:
+        qs = jnp.broadcast_to(jnp.asarray(q_start_index, jnp.int32), (B,))
+        limit = jnp.floor_divide(qs[:, None] + jnp.arange(S)[None, :] + 1 - k_stride, k_stride)
+        valid = valid & (idx <= limit[:, :, None])
+    kg = index_k.astype(F32)[jnp.arange(B)[:, None, None], jnp.clip(idx, 0, N - 1)]  # [B, S, T, DI]
+    z = jnp.einsum("bshd,bstd->bsht", index_q.astype(F32), kg, precision=HIGHEST)
+    logits = scale * jnp.einsum("bsh,bsht->bst", weights.astype(F32), jnp.maximum(z, 0.0), precision=HIGHEST)
+    x = jnp.where(valid, logits, -1e30)
+    log_p = x - jax.scipy.special.logsumexp(x, axis=-1, keepdims=True)
+    t = jnp.where(valid & (target > 0), target, 0.0)
+    pos = t > 0
+    kl = jnp.sum(jnp.where(pos, t * (jnp.log(jnp.where(pos, t, 1.0)) - jnp.where(pos, log_p, 0.0)), 0.0), axis=-1)
+    return kl if batched else kl[0]

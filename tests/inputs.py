@@ -7,10 +7,9 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 
-import oracle
+from jax_attn_dist import oracle
 
-INT32_MIN = -(2**31)
-INT32_MAX = 2**31 - 1
+from jax_attn_dist._contract import INT32_MAX, INT32_MIN  # noqa: F401  (re-exported to the tests)
 
 
 def seed_of(*parts) -> int:
@@ -49,3 +48,40 @@ def make_inputs(
         lse = lse + rng.uniform(-lse_noise, lse_noise, lse.shape)
     lse = jnp.asarray(lse.astype(np.float32))
     return q, k, indices, lse, kwargs
+
+
+def make_indexer_inputs(
+    seed, *, S, HI, DI, N, T, B=None, dtype=jnp.bfloat16, weights_dtype=jnp.float32, causal=True, k_stride=1,
+    q_start_index=None, scale=None, zero_rows=0.15, invalid_fraction=0.25,
+):
+    """Random indexer_kl inputs: (index_q, index_k, weights, indices, target, kwargs).
+
+    indices mix valid keys (with duplicates) and every kind of invalid one
+    (INT32_MIN, -1, N, INT32_MAX, causally invisible); the target is a random
+    distribution over all T slots -- so some of its mass sits on invalid
+    slots -- with zeros sprinkled in and ``zero_rows`` of the rows all zero.
+    ``q_start_index``: None draws an int, "batch" an int32 [B] array.
+    """
+    rng = np.random.default_rng(seed)
+    Bc = B if B is not None else 1
+    lead = (B,) if B is not None else ()
+    scale = float(rng.uniform(0.5, 2.0)) if scale is None else scale
+    index_q = jnp.asarray((rng.standard_normal(lead + (S, HI, DI)) * DI ** -0.25).astype(np.float32), dtype)
+    index_k = jnp.asarray((rng.standard_normal(lead + (N, DI)) * DI ** -0.25).astype(np.float32), dtype)
+    weights = jnp.asarray((rng.standard_normal(lead + (S, HI)) * HI ** -0.5).astype(np.float32), weights_dtype)
+    span = max(N * k_stride, 1)
+    if q_start_index is None:
+        q_start_index = int(rng.integers(-4, span))
+    elif isinstance(q_start_index, str) and q_start_index == "batch":
+        q_start_index = jnp.asarray(rng.integers(-4, span, (Bc,)), jnp.int32)
+    idx = rng.integers(0, max(N, 1), lead + (S, 1, T)).astype(np.int64)
+    idx[..., 1::7] = idx[..., ::7][..., : idx[..., 1::7].shape[-1]]  # duplicates
+    bad = np.array([INT32_MIN, -1, N, N + 5, INT32_MAX], np.int64)[rng.integers(0, 5, idx.shape)]
+    idx = np.where(rng.random(idx.shape) < invalid_fraction, bad, idx)
+    indices = jnp.asarray(idx.astype(np.int32))
+    target = rng.random(lead + (S, T)) * (rng.random(lead + (S, T)) < 0.8)
+    target = target / np.maximum(target.sum(-1, keepdims=True), 1e-30)
+    target[rng.random(lead + (S,)) < zero_rows] = 0.0
+    target = jnp.asarray(target.astype(np.float32))
+    kwargs = dict(scale=scale, causal=causal, q_start_index=q_start_index, k_stride=k_stride)
+    return index_q, index_k, weights, indices, target, kwargs

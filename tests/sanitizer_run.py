@@ -1,27 +1,42 @@
 """Run a few kernel cases for compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
 
-    compute-sanitizer --tool racecheck --kernel-name kns=attn_dist_kernel python tests/sanitizer_run.py
+    compute-sanitizer --tool racecheck --kernel-name kns=attn_dist_kernel python tests/sanitizer_run.py attn_dist
+    compute-sanitizer --tool racecheck --kernel-name kns=indexer_fwd_kernel python tests/sanitizer_run.py indexer
 
-Covers partial T, partial H, both head tiles, both D, batched, all-invalid.
-Exits non-zero if a result is wrong.
+attn_dist: partial T, partial H, both head tiles, both D, batched, all-invalid.
+indexer: every head-tile variant (16, 32, 64, 4 x 64), both DI, partial T,
+batched, all-invalid, T = 0. Exits non-zero if a result is wrong.
 """
 
 import sys
 
-from kernel_cases import Case, check_case
+import indexer_cases
+import kernel_cases
 
-CASES = [
-    Case(S=2, H=128, T=2048, D=576, N=3000, invalid_fraction=0.3, seed=1),           # full blocks, 2 groups
-    Case(S=3, H=96, T=200, D=576, N=500, B=3, per_batch_q_start=True, seed=2),       # partial H and T, batched
-    Case(S=2, H=16, T=65, D=512, N=100, k_stride=4, lse_base="e", seed=3),           # tiny H, one slot past a block
-    Case(S=2, H=64, T=2049, D=512, N=5000, causal=False, seed=4),                    # 64-head tile, T odd
-    Case(S=4, H=1, T=1, D=576, N=10, B=1, seed=5),                                   # minimal
-    Case(S=2, H=192, T=127, D=576, N=300, invalid_fraction=1.0, seed=6),             # 2 head tiles, all invalid
-    Case(S=64, H=128, T=512, D=576, N=8192, invalid_fraction=0.1, seed=7),           # mid-size
+ATTN_DIST = [
+    kernel_cases.Case(S=2, H=128, T=2048, D=576, N=3000, invalid_fraction=0.3, seed=1),   # full blocks, 2 groups
+    kernel_cases.Case(S=3, H=96, T=200, D=576, N=500, B=3, per_batch_q_start=True, seed=2),  # partial H, T, batched
+    kernel_cases.Case(S=2, H=16, T=65, D=512, N=100, k_stride=4, lse_base="e", seed=3),   # tiny H, one slot past
+    kernel_cases.Case(S=2, H=64, T=2049, D=512, N=5000, causal=False, seed=4),            # 64-head tile, T odd
+    kernel_cases.Case(S=4, H=1, T=1, D=576, N=10, B=1, seed=5),                           # minimal
+    kernel_cases.Case(S=2, H=192, T=127, D=576, N=300, invalid_fraction=1.0, seed=6),     # 2 head tiles, all invalid
+    kernel_cases.Case(S=64, H=128, T=512, D=576, N=8192, invalid_fraction=0.1, seed=7),   # mid-size
+]
+
+INDEXER = [
+    indexer_cases.Case(S=3, HI=64, T=2048, DI=128, N=8192, invalid_fraction=0.1, seed=1),  # V3.2's shape, full T
+    indexer_cases.Case(S=4, HI=16, T=200, DI=64, N=300, B=3, per_batch_q_start=True, seed=2),  # HT 16, batched
+    indexer_cases.Case(S=3, HI=20, T=65, DI=128, N=100, k_stride=4, seed=3),              # HT 32, partial heads
+    indexer_cases.Case(S=2, HI=200, T=129, DI=128, N=500, causal=False, seed=4),           # 4 head tiles of 64
+    indexer_cases.Case(S=2, HI=64, T=64, DI=64, N=50, invalid_fraction=1.0, seed=5),      # all invalid
+    indexer_cases.Case(S=3, HI=1, T=0, DI=128, N=10, seed=6),                             # T = 0
+    indexer_cases.Case(S=48, HI=64, T=512, DI=128, N=4096, seed=7),                       # mid-size
 ]
 
 if __name__ == "__main__":
-    for case in CASES:
-        check_case(case)
-        print("ok", case.name, flush=True)
+    which = sys.argv[1:] or ["attn_dist", "indexer"]
+    for name in which:
+        for case in {"attn_dist": ATTN_DIST, "indexer": INDEXER}[name]:
+            (kernel_cases if name == "attn_dist" else indexer_cases).check_case(case)
+            print("ok", name, case.name, flush=True)
     sys.exit(0)

@@ -16,7 +16,8 @@ import pytest
 import jax_attn_dist
 from jax_attn_dist import _ext, attn_dist, attn_dist_p, attn_dist_reference, kernel_supports
 from jax_attn_dist import primitive as primitive_mod
-from jax_attn_dist._contract import Problem, check_problem
+from jax_attn_dist import _contract
+from jax_attn_dist._contract import FFI_TARGET, Problem, check_problem
 from jaxpr_util import iter_eqns
 
 BF16 = jnp.bfloat16
@@ -120,7 +121,7 @@ def custom_calls(text):
 
 
 @pytest.mark.parametrize("B", [None, 3])
-@pytest.mark.parametrize("D", [512, 576])
+@pytest.mark.parametrize("D", _contract.KERNEL_HEAD_DIMS)
 def test_cuda_lowering_emits_ffi_call(B, D):
     """Lowering for CUDA needs no GPU and no built extension."""
     args = zeros_like_specs(specs(B=B, H=130, D=D))
@@ -167,13 +168,13 @@ def test_cuda_lowering_default_attributes():
 )
 def test_cuda_lowering_falls_back_to_reference(kw, spec_kw):
     text = lower_text(lambda *a: attn_dist(*a, sm_scale=0.5, **kw), zeros_like_specs(specs(**spec_kw)), "cuda")
-    assert "jax_attn_dist_fwd" not in text
+    assert FFI_TARGET not in text
     assert "custom_call" not in text
 
 
 def test_cpu_lowering_is_reference():
     text = lower_text(lambda *a: attn_dist(*a, sm_scale=0.5), zeros_like_specs(specs()), "cpu")
-    assert "jax_attn_dist_fwd" not in text
+    assert FFI_TARGET not in text
 
 
 def test_kernel_supports():
@@ -190,7 +191,7 @@ def test_kernel_supports():
 
 
 def test_implementation_cuda_without_kernel_raises(monkeypatch):
-    monkeypatch.setattr(_ext, "_state", (False, "not built (test)"))
+    monkeypatch.setattr(_ext, "_state", _ext._State(False, "not built (test)"))
     args = zeros_like_specs(specs())
     with pytest.raises(RuntimeError, match="not available"):
         attn_dist(*args, sm_scale=0.5, implementation="cuda")
@@ -205,7 +206,7 @@ def test_implementation_cuda_unsupported_problem_raises():
 @pytest.fixture
 def fake_kernel_available(monkeypatch):
     """Pretend the extension registered (no CUDA handler is ever run here)."""
-    monkeypatch.setattr(_ext, "_state", (True, "registered: (fake for tests)"))
+    monkeypatch.setattr(_ext, "_state", _ext._State(True, "registered: (fake for tests)"))
 
 
 def test_implementation_cuda_lowering_for_cpu_raises(fake_kernel_available):
@@ -219,61 +220,9 @@ def test_implementation_cuda_lowering_for_cpu_raises(fake_kernel_available):
 def test_no_kernel_on_local_gpu_falls_back(monkeypatch):
     """A process with a CUDA backend but no registered kernel uses the XLA path."""
     monkeypatch.setattr(primitive_mod, "_local_cuda_backend", lambda: True)
-    monkeypatch.setattr(_ext, "_state", (False, "not built (test)"))
+    monkeypatch.setattr(_ext, "_state", _ext._State(False, "not built (test)"))
     text = lower_text(lambda *a: attn_dist(*a, sm_scale=0.5), zeros_like_specs(specs()), "cuda")
-    assert "jax_attn_dist_fwd" not in text
-
-
-_NOOP_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda frame: None)
-
-
-def _capsule():
-    new = ctypes.pythonapi.PyCapsule_New
-    new.restype = ctypes.py_object
-    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    return new(ctypes.cast(_NOOP_HANDLER, ctypes.c_void_p), None, None)
-
-
-def _cuda_plugin_installed():
-    import importlib.metadata as md
-
-    names = ((d.metadata["Name"] or "").lower().replace("_", "-") for d in md.distributions())
-    return any(n.startswith("jax-cuda") for n in names)
-
-
-@pytest.mark.skipif(
-    _cuda_plugin_installed(),
-    reason="a CUDA plugin forwards the registration to XLA, which calls the handler: needs a real one",
-)
-def test_ext_registers_capsules_for_cuda(monkeypatch):
-    """Registering a CUDA FFI target on a CPU-only jax is accepted (stored)."""
-    fake = types.ModuleType("jax_attn_dist._cuda")
-    fake.registrations = lambda: {"jax_attn_dist_test_fake_target": _capsule()}
-    monkeypatch.setitem(sys.modules, "jax_attn_dist._cuda", fake)
-    monkeypatch.setattr(_ext, "_state", None)
-    assert _ext.kernel_available()
-    assert "jax_attn_dist_test_fake_target" in _ext.kernel_unavailable_reason()
-
-
-def test_ext_registration_failure_is_recorded(monkeypatch):
-    fake = types.ModuleType("jax_attn_dist._cuda")
-
-    def broken():
-        raise RuntimeError("boom")
-
-    fake.registrations = broken
-    monkeypatch.setitem(sys.modules, "jax_attn_dist._cuda", fake)
-    monkeypatch.setattr(_ext, "_state", None)
-    assert not _ext.kernel_available()
-    assert "boom" in _ext.kernel_unavailable_reason()
-
-
-def test_ext_missing_module(monkeypatch):
-    monkeypatch.setitem(sys.modules, "jax_attn_dist._cuda", None)  # import raises ImportError
-    monkeypatch.setattr(_ext, "_installed_extension", lambda: None, raising=False)  # nor an installed copy
-    monkeypatch.setattr(_ext, "_state", None)
-    assert not _ext.kernel_available()
-    assert "not built" in _ext.kernel_unavailable_reason()
+    assert FFI_TARGET not in text
 
 
 # ----------------------------------------------------------------------------

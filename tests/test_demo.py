@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import oracle
+from jax_attn_dist import oracle
 from jax_attn_dist import __main__ as demo
 from jax_attn_dist import synthetic
 
@@ -47,11 +47,28 @@ def test_make_problem_is_seeded():
 
 def test_demo_runs(capsys):
     rc = demo.main(["-S", "16", "-N", "40", "--heads", "80", "--topk", "8", "--dim", "32", "--batch", "2",
-                    "--lse-base", "e", "--k-stride", "2", "--repeats", "1"])
+                    "--idx-heads", "8", "--idx-dim", "16", "--lse-base", "e", "--k-stride", "2", "--repeats", "1"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for word in ("jax", "device:", "path:", "jnp reference", "time:", "vs reference", "invariant", "PASS"):
+    for word in ("jax", "device:", "path:", "jnp (XLA)", "time:", "vs float64", "invariant", "loss:", "PASS"):
         assert word in out
+
+
+@pytest.mark.parametrize("broken", ["attn_dist_oracle", "indexer_kl_oracle"])
+def test_demo_fails_when_a_result_is_wrong(capsys, monkeypatch, broken):
+    """The demo's PASS means something: a float64 reference that disagrees
+    (here: one made 1% off) turns it into FAIL and a non-zero exit."""
+    real = getattr(oracle, broken)
+    monkeypatch.setattr(oracle, broken, lambda *a, **k: real(*a, **k) * 1.01 + 0.01)
+    rc = demo.main(["-S", "12", "-N", "30", "--heads", "4", "--topk", "6", "--dim", "16", "--idx-heads", "4",
+                    "--idx-dim", "16", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL" in out and "PASS" not in out, out
+
+
+def test_demo_checks_slabs_of_long_problems():
+    assert demo._slabs(100) == [(0, 100)]
+    assert demo._slabs(1024) == [(0, demo.ORACLE_SLAB), (1024 - demo.ORACLE_SLAB, 1024)]
 
 
 def test_demo_help(capsys):
@@ -59,14 +76,15 @@ def test_demo_help(capsys):
         demo.main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for opt in ("--seq", "--keys", "--heads", "--topk", "--dim", "--batch", "--lse-base", "--implementation", "--seed", "--repeats"):
+    for opt in ("--seq", "--keys", "--heads", "--topk", "--dim", "--idx-heads", "--idx-dim", "--batch", "--lse-base",
+                "--implementation", "--seed", "--repeats"):
         assert opt in out
 
 
 def test_demo_cuda_without_kernel_fails_cleanly(capsys, monkeypatch):
     from jax_attn_dist import _ext
 
-    monkeypatch.setattr(_ext, "_state", (False, "not built (test)"))
+    monkeypatch.setattr(_ext, "_state", _ext._State(False, "not built (test)"))
     rc = demo.main(["-S", "4", "-N", "8", "--heads", "2", "--topk", "2", "--dim", "576", "--implementation", "cuda"])
     assert rc != 0
     assert "not available" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax import export
 
-import oracle
+from jax_attn_dist import oracle
 from inputs import make_inputs, seed_of
 from jax_attn_dist import attn_dist
 from jax_attn_dist._contract import FFI_TARGET

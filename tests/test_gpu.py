@@ -11,14 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle
+from jax_attn_dist import oracle
 from inputs import INT32_MAX, INT32_MIN, make_inputs, seed_of
-from jax_attn_dist import attn_dist, attn_dist_reference, kernel_available, synthetic
+from jax_attn_dist import attn_dist, attn_dist_reference, synthetic
+from jax_attn_dist._contract import FFI_TARGET
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "gpu" or not kernel_available(),
-    reason="needs a CUDA GPU and the compiled jax_attn_dist._cuda extension",
-)
+pytestmark = pytest.mark.gpu
 
 BF16 = jnp.bfloat16
 
@@ -97,7 +95,7 @@ def test_kernel_synthetic_invariant(H, lse_base):
 def test_kernel_is_default_on_gpu():
     p = synthetic.make_problem(S=8, N=64, H=64, T=16, D=576)
     text = jax.jit(lambda *a: attn_dist(*a, **p.kwargs)).lower(*p.arrays).as_text()
-    assert "jax_attn_dist_fwd" in text
+    assert FFI_TARGET in text
 
 
 def test_adversarial_indices():

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_attn_dist import attn_dist, kernel_available, synthetic
+from jax_attn_dist import attn_dist, synthetic
+from jax_attn_dist._contract import FFI_TARGET
 
 
 def _gpus():
@@ -29,10 +30,7 @@ def _gpus():
         return []
 
 
-pytestmark = pytest.mark.skipif(
-    len(_gpus()) < 2 or not kernel_available(),
-    reason="needs >= 2 CUDA GPUs and the compiled jax_attn_dist._cuda extension",
-)
+pytestmark = pytest.mark.gpu(2)
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 S, N, H, T, D = 512, 4096, 128, 512, 576
@@ -54,7 +52,7 @@ def mesh2():
 
 def kernel_calls(hlo: str):
     """Result shapes of the jax_attn_dist_fwd custom calls in compiled HLO."""
-    return re.findall(r"(f32\[[\d,]*\])\S* custom-call\([^\n]*custom_call_target=\"jax_attn_dist_fwd\"", hlo)
+    return re.findall(r"(f32\[[\d,]*\])\S* custom-call\([^\n]*custom_call_target=\"" + FFI_TARGET + '\\"', hlo)
 
 
 def bits(x):

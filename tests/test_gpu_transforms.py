@@ -19,16 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle
+from jax_attn_dist import oracle
 from inputs import make_inputs, seed_of
-from jax_attn_dist import attn_dist, kernel_available
-from jax_attn_dist._contract import FFI_TARGET
+from jax_attn_dist import attn_dist
+from jax_attn_dist._contract import FFI_INDEXER_FWD, FFI_TARGET
 from grad_util import assert_grad_close, plain_attn_dist
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "gpu" or not kernel_available(),
-    reason="needs a CUDA GPU and the compiled jax_attn_dist._cuda extension",
-)
+pytestmark = pytest.mark.gpu
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -131,29 +128,34 @@ _CHILD = r"""
 import sys
 import numpy as np
 import jax, jax.numpy as jnp
-from inputs import make_inputs, seed_of
+from inputs import make_indexer_inputs, make_inputs, seed_of
 import jax_attn_dist
 
 out_npz, hlo_path = sys.argv[1], sys.argv[2]
 assert jax.default_backend() == "gpu" and jax_attn_dist.kernel_available()
 sets = []
+ikw = dict(scale=1.0, causal=True, k_stride=1)
 for tag in ("a", "b"):
     q, k, idx, lse, kw = make_inputs(seed_of("gpu-cmdbuf", tag), B=2, S=64, H=128, D=576, N=500, T=256,
                                      q_start_index="batch", lse_noise=0.25)
     qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
-    sets.append((q, k, idx, lse, qs))
+    iq, ik, w, idx2, tgt, ix = make_indexer_inputs(seed_of("gpu-cmdbuf-indexer", tag), B=2, S=64, HI=64, DI=128,
+                                                   N=500, T=256, q_start_index="batch", **ikw)
+    sets.append((q, k, idx, lse, qs, iq, ik, w, idx2, tgt, jnp.asarray(ix["q_start_index"], jnp.int32)))
 
 @jax.jit
-def f(q, k, i, l, s):
+def f(q, k, i, l, s, iq, ik, w, i2, t, s2):
     out = jax_attn_dist.attn_dist(q * 2, k, i, l - 1.0, q_start_index=s + 0, implementation="cuda", **kw)
-    return out, out.sum(axis=-1)  # fusions before and after the custom call
+    kl = jax_attn_dist.indexer_kl(iq, ik, w * 0.5, i2, t, q_start_index=s2 + 0, implementation="cuda", **ikw)
+    return out, out.sum(axis=-1), kl  # fusions before and after the custom calls
 
 open(hlo_path, "w").write(f.lower(*sets[0]).compile().as_text())
 results = {}
 for run in range(6):  # graph capture / instantiation, then replays with other buffers
-    out, sums = f(*sets[run % 2])
+    out, sums, kl = f(*sets[run % 2])
     results[f"out{run}"] = np.asarray(out)
     results[f"sum{run}"] = np.asarray(sums)
+    results[f"kl{run}"] = np.asarray(kl)
 np.savez(out_npz, **results)
 
 # where did the kernel run? A profile of a few more calls: kernel activity
@@ -167,12 +169,15 @@ try:
     files = sorted(glob.glob(os.path.join(prof_dir, "**", "*.trace.json.gz"), recursive=True))
     with gzip.open(files[-1]) as fh:
         events = json.load(fh)["traceEvents"]
-    kernel = [e for e in events if "attn_dist" in str(e.get("name", ""))]
+    kernel = [e for e in events if "attn_dist_kernel" in str(e.get("name", ""))]
+    indexer = [e for e in events if "indexer_fwd_kernel" in str(e.get("name", ""))]
     in_graph = lambda e: any("graph" in str(key).lower() and str(val) not in ("0", "", "None", "-1")
                              for key, val in (e.get("args") or {}).items())
     summary = dict(
         kernel_events=len(kernel),
         kernel_events_in_graph=sum(map(in_graph, kernel)),
+        indexer_events=len(indexer),
+        indexer_events_in_graph=sum(map(in_graph, indexer)),
         graph_launch_events=sum("graphlaunch" in str(e.get("name", "")).lower() for e in events),
         kernel_args=[e.get("args") for e in kernel[:4]],
         error=None,
@@ -226,14 +231,15 @@ def test_command_buffers_give_identical_bits(cmdbuf_runs):
     for key in sorted(on):
         a, b = on[key], off[key]
         assert a.shape == b.shape and a.dtype == b.dtype == np.float32
-        if key.startswith("out"):  # the custom call's output: bit for bit
+        if key.startswith(("out", "kl")):  # the custom calls' outputs: bit for bit
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: command-buffer run differs"
         else:  # XLA's own reduction after it, compiled under other flags, may sum in another order
             np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=f"{key}: command-buffer run differs")
     # replays on the same inputs repeat the first run bit for bit
     for run in range(2, 6):
-        assert np.array_equal(on[f"out{run}"].view(np.uint32), on[f"out{run % 2}"].view(np.uint32))
-    assert not np.array_equal(on["out0"], on["out1"])  # the two input sets differ
+        for name in ("out", "kl"):
+            assert np.array_equal(on[f"{name}{run}"].view(np.uint32), on[f"{name}{run % 2}"].view(np.uint32))
+    assert not np.array_equal(on["out0"], on["out1"]) and not np.array_equal(on["kl0"], on["kl1"])
 
 
 def _computations(hlo: str):
@@ -254,13 +260,13 @@ def _computations(hlo: str):
 _CMD_BUFFER = re.compile(r"(?<!enable_)command[_ ]?buffer", re.IGNORECASE)
 
 
-def _capture_evidence(hlo: str, dumps: dict):
-    """Where the FFI custom call shows up inside a command buffer: HLO
+def _capture_evidence(hlo: str, dumps: dict, target: str = FFI_TARGET):
+    """Where an FFI custom call shows up inside a command buffer: HLO
     computations named command_buffer* that contain it (XLA's HLO-level
     command-buffer scheduling), and dump files that mention both (command
     buffers formed on thunks)."""
-    in_hlo = [n for n, body in _computations(hlo).items() if "command_buffer" in n and FFI_TARGET in body]
-    in_dumps = [n for n, text in dumps.items() if FFI_TARGET in text and _CMD_BUFFER.search(text)]
+    in_hlo = [n for n, body in _computations(hlo).items() if "command_buffer" in n and f'"{target}"' in body]
+    in_dumps = [n for n, text in dumps.items() if target in text and _CMD_BUFFER.search(text)]
     return in_hlo, in_dumps
 
 
@@ -283,3 +289,15 @@ def test_command_buffer_captures_the_custom_call(cmdbuf_runs):
     )
     assert not off_hlo and not off_dumps, f"the search also matches without command buffers: {off_hlo} {off_dumps}"
     assert prof_off.get("kernel_events_in_graph", 0) == 0, f"graph ids without command buffers: {prof_off}"
+
+
+def test_command_buffer_captures_the_indexer_kernel(cmdbuf_runs):
+    """The same evidence for the indexer_kl forward's custom call."""
+    assert FFI_INDEXER_FWD in cmdbuf_runs["hlo_on"]
+    in_hlo, in_dumps = _capture_evidence(cmdbuf_runs["hlo_on"], cmdbuf_runs["dumps_on"], FFI_INDEXER_FWD)
+    off_hlo, off_dumps = _capture_evidence(cmdbuf_runs["hlo_off"], cmdbuf_runs["dumps_off"], FFI_INDEXER_FWD)
+    prof_on, prof_off = cmdbuf_runs["prof_on"], cmdbuf_runs["prof_off"]
+    assert in_hlo or in_dumps or prof_on.get("indexer_events_in_graph", 0) > 0, (
+        f"no evidence that the indexer custom call was captured.\nprofile on: {prof_on}\noff: {prof_off}")
+    assert not off_hlo and not off_dumps
+    assert prof_off.get("indexer_events_in_graph", 0) == 0, f"graph ids without command buffers: {prof_off}"

@@ -12,7 +12,7 @@ import pytest
 
 from grad_util import assert_grad_close, plain_attn_dist
 from inputs import make_inputs, seed_of
-from jax_attn_dist import attn_dist, autodiff
+from jax_attn_dist import _contract, attn_dist, backward
 from jaxpr_util import iter_eqns
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -165,9 +165,9 @@ def test_chunked_backward_equals_single_chunk():
     qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
     g = jnp.asarray(rng.standard_normal((3, 1, 7, 9)), F32)
     params = dict(sm_scale=kw["sm_scale"], causal=kw["causal"], k_stride=kw["k_stride"], lse_base=kw["lse_base"])
-    whole = autodiff.attn_dist_bwd_canonical(q, k, idx, lse, qs, g, **params)
+    whole = backward.attn_dist_bwd_canonical(q, k, idx, lse, qs, g, **params)
     for chunk in (4, 5, 8):  # 21 rows: 6 chunks with an overlap; 5 chunks overlapping; 3 chunks
-        part = jax.jit(lambda *a: autodiff.attn_dist_bwd_canonical(*a, chunk=chunk, **params))(q, k, idx, lse, qs, g)
+        part = jax.jit(lambda *a: backward.attn_dist_bwd_canonical(*a, chunk=chunk, **params))(q, k, idx, lse, qs, g)
         for a, b, name in zip(part, whole, ("dq", "dk", "dlse")):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()), err_msg=f"{name} chunk={chunk}")
 
@@ -175,11 +175,11 @@ def test_chunked_backward_equals_single_chunk():
 def test_public_grad_through_chunk_loop(monkeypatch):
     """A backward budget small enough that the public gradient runs several
     chunks still matches the plain jax.grad."""
-    monkeypatch.setattr(autodiff, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(backward, "CHUNK_BYTES", 1)
     seed = seed_of("grad-public-chunks")
     rng = np.random.default_rng(seed)
     q, k, idx, lse, kw = make_inputs(seed, B=2, S=5, H=4, D=8, N=6, T=5, dtype=BF16, q_start_index="batch", lse_noise=0.3)
-    assert autodiff.backward_chunk_rows(autodiff._contract.check_canonical(q, k, idx, lse, jnp.zeros(2, jnp.int32))) == 1
+    assert backward.backward_chunk_rows(_contract.check_canonical(q, k, idx, lse, jnp.zeros(2, jnp.int32))) == 1
     cot = jnp.asarray(rng.standard_normal((2, 1, 5, 5)), F32)
     (dq, dk, dlse), (dq_p, dk_p, dlse_p) = vjps(q, k, idx, lse, kw, cot)
     assert_grad_close(dq, dq_p, "dq", 1e-2)
@@ -268,6 +268,7 @@ def test_stop_gradient_target_has_no_gradient():
     np.testing.assert_allclose(dq, np.full(q.shape, float(attn_dist(q, k, idx, lse, **kw).sum())), rtol=1e-6)
 
 
+@pytest.mark.host_devices(8)
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_grad_of_sharded_call(axis_type):
     """jit(grad) with inputs sharded over a 2 x 4 mesh of CPU devices (batch
@@ -277,8 +278,6 @@ def test_grad_of_sharded_call(axis_type):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     devices = jax.devices("cpu")
-    if len(devices) < 8:
-        pytest.skip("needs 8 CPU devices (tests/conftest.py sets --xla_force_host_platform_device_count=8)")
     seed = seed_of("grad-sharded", axis_type)
     q, k, idx, lse, kw = make_inputs(seed, B=2, S=16, H=4, D=8, N=20, T=6, dtype=F32, q_start_index=3, lse_noise=0.2)
     types = (getattr(jax.sharding.AxisType, axis_type),) * 2

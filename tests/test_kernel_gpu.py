@@ -11,13 +11,10 @@ import numpy as np
 import pytest
 
 import jax_attn_dist
-import oracle
+from jax_attn_dist import _contract, oracle
 from kernel_cases import Case, check_case, make_case_inputs, run_kernel, sweep_cases
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "gpu" or not jax_attn_dist.kernel_available(),
-    reason="needs a CUDA GPU and the built kernel",
-)
+pytestmark = pytest.mark.gpu
 
 SWEEP = sweep_cases(64)
 
@@ -28,7 +25,7 @@ def test_sweep_matches_float64(case):
 
 
 @pytest.mark.parametrize("H", [64, 128])
-@pytest.mark.parametrize("D", [512, 576])
+@pytest.mark.parametrize("D", _contract.KERNEL_HEAD_DIMS)
 def test_full_topk_blocks(H, D):
     check_case(Case(S=16, H=H, T=2048, D=D, N=4096, invalid_fraction=0.1, seed=H + D))
 
@@ -57,7 +54,7 @@ def test_public_api_uses_kernel_with_traced_q_start():
     f = jax.jit(lambda q, k, i, l, qs: jax_attn_dist.attn_dist(q, k, i, l, q_start_index=qs,
                                                                implementation="cuda", **kw))
     hlo = f.lower(q, k, idx, lse, q_start).as_text()
-    assert "jax_attn_dist_fwd" in hlo
+    assert _contract.FFI_TARGET in hlo
     out = np.asarray(f(q, k, idx, lse, q_start))
     ref = oracle.attn_dist_oracle(q, k, idx, lse, q_start_index=q_start, **kw)
     oracle.assert_within_spec(out, ref)
@@ -88,7 +85,7 @@ def test_k_larger_than_2_pow_31_elements():
     k = jax.random.normal(jax.random.key(0), (1, N, 1, D), jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((1, S, H, D)).astype(np.float32), jnp.bfloat16)
     idx = rng.integers(N - 2000, N + 3, (1, S, 1, T)).astype(np.int64)
-    idx[..., :4] = [N - 1, N, 2**31 - 1, -(2**31)]
+    idx[..., :4] = [N - 1, N, _contract.INT32_MAX, _contract.INT32_MIN]
     idx = idx.astype(np.int32)
     # Oracle on the gathered rows only (a local K), remapping valid indices.
     uniq = np.unique(idx[(idx >= 0) & (idx < N)])
@@ -108,7 +105,7 @@ def _raw_ffi(q_shape, k_shape, idx_shape, lse_shape, qs_shape, out_shape, *, sm_
     """The FFI target called directly, bypassing the Python checks."""
     args = (jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16), jnp.zeros(idx_shape, jnp.int32),
             jnp.zeros(lse_shape, jnp.float32), jnp.zeros(qs_shape, jnp.int32))
-    call = jax.ffi.ffi_call("jax_attn_dist_fwd", jax.ShapeDtypeStruct(out_shape, jnp.float32))
+    call = jax.ffi.ffi_call(_contract.FFI_TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
     return jax.block_until_ready(jax.jit(lambda *a: call(*a, sm_scale=np.float32(sm_scale), causal=True,
                                                          k_stride=np.int32(k_stride), lse_base_e=False))(*args))
 

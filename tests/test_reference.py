@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle
+from jax_attn_dist import oracle
 from inputs import INT32_MAX, INT32_MIN, make_inputs, seed_of
 from jax_attn_dist import attn_dist, attn_dist_reference
 from jax_attn_dist import reference as reference_mod
 from jax_attn_dist import synthetic
+from jax_attn_dist._chunks import chunk_rows
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -116,7 +117,7 @@ def test_chunk_rows_bounded_for_benchmark_shape():
     from jax_attn_dist._contract import Problem
 
     p = Problem(batched=False, B=1, S=4096, H=128, D=576, N=8192, HK=1, T=2048, dtype=jnp.dtype(BF16))
-    c = reference_mod.chunk_rows(p)
+    c = chunk_rows(p)
     per_row = 1 * 2048 * 576 * 2 + 3 * 128 * 2048 * 4
     assert 1 <= c <= 4096 and c * per_row <= 512 << 20
 

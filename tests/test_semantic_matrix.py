@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_attn_dist
-import oracle
+from jax_attn_dist import oracle
 from kernel_cases import make_case_inputs, sweep_cases
 
 CASES = sweep_cases(64)

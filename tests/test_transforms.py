@@ -127,6 +127,7 @@ def test_vmap_of_public_unbatched_inputs_under_jit_and_size_zero():
     assert_same(out[1], out[0])
 
 
+@pytest.mark.host_devices(8)
 @pytest.mark.parametrize("spec", [("v",), (None, "v"), ("v", None, "s"), (None, None, "s")],
                          ids=["V", "B", "V-S", "S"])
 def test_vmap_of_explicitly_sharded_inputs(spec):
@@ -136,8 +137,6 @@ def test_vmap_of_explicitly_sharded_inputs(spec):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     devices = jax.devices("cpu")
-    if len(devices) < 8:
-        pytest.skip("needs 8 CPU devices (tests/conftest.py sets --xla_force_host_platform_device_count=8)")
     mesh = jax.make_mesh((2, 4), ("v", "s"), devices=devices[:8])
     assert mesh.axis_types[0] == jax.sharding.AxisType.Explicit
     q, k, idx, lse, qs, kw = stack_inputs(seed_of("vmap-explicit", spec), 2, B=2, S=8, dtype=F32)
@@ -150,6 +149,7 @@ def test_vmap_of_explicitly_sharded_inputs(spec):
     assert tuple(got.sharding.spec) + (None,) * (5 - len(got.sharding.spec)) == want
 
 
+@pytest.mark.host_devices(8)
 def test_vmap_over_a_compound_mesh_axis():
     """The vmapped axis sharded over two Explicit mesh axes at once
     (P(("v", "s"))): one output whose spec starts with a tuple must not be
@@ -157,8 +157,6 @@ def test_vmap_over_a_compound_mesh_axis():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     devices = jax.devices("cpu")
-    if len(devices) < 8:
-        pytest.skip("needs 8 CPU devices (tests/conftest.py sets --xla_force_host_platform_device_count=8)")
     mesh = jax.make_mesh((2, 4), ("v", "s"), devices=devices[:8])
     q, k, idx, lse, qs, kw = stack_inputs(seed_of("vmap-compound"), 8, B=1, S=4, dtype=F32)
     put = lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, P(("v", "s"))))

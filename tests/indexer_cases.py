@@ -1,0 +1,149 @@
+"""Indexer-kernel GPU cases: canonical inputs, poisoned outputs, the float64 oracle.
+
+Not a test file: `test_indexer_gpu.py` runs these under pytest, and
+`tests/sanitizer_run.py` runs a few under compute-sanitizer.
+
+The kernel is called through the test-only FFI target
+`jax_attn_dist_indexer_fwd_into`, whose two outputs are aliased to operands
+that we fill with NaN: a row the kernel does not write stays NaN and fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_attn_dist
+from jax_attn_dist import _contract, oracle
+
+try:
+    jax_attn_dist.kernel_available()  # registers the FFI targets, the test-only one included
+except RuntimeError:
+    pass  # an extension problem under JAX_ATTN_DIST_REQUIRE_GPU: conftest's gpu marker reports it per test
+
+INT32_MIN, INT32_MAX = _contract.INT32_MIN, _contract.INT32_MAX
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    S: int
+    HI: int
+    T: int
+    DI: int = 128
+    N: int = 1000
+    B: int | None = None
+    causal: bool = True
+    k_stride: int = 1
+    per_batch_q_start: bool = False
+    invalid_fraction: float = 0.3
+    zero_rows: float = 0.1
+    scale: float = 1.0
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        b = "none" if self.B is None else self.B
+        return (f"S{self.S}-HI{self.HI}-T{self.T}-DI{self.DI}-N{self.N}-B{b}-c{int(self.causal)}-ks{self.k_stride}"
+                f"-pb{int(self.per_batch_q_start)}-inv{int(self.invalid_fraction * 100)}")
+
+
+def make_case_inputs(case: Case):
+    """numpy canonical inputs (batched, B >= 1) and the indexer_kl kwargs."""
+    rng = np.random.default_rng(case.seed)
+    B = 1 if case.B is None else case.B
+    S, HI, T, DI, N, ks = case.S, case.HI, case.T, case.DI, case.N, case.k_stride
+    index_q = (rng.standard_normal((B, S, HI, DI)) * DI ** -0.25).astype(np.float32).astype(jnp.bfloat16)
+    index_k = (rng.standard_normal((B, N, DI)) * DI ** -0.25).astype(np.float32).astype(jnp.bfloat16)
+    weights = (rng.standard_normal((B, S, HI)) * HI ** -0.5).astype(np.float32)
+    if case.per_batch_q_start:
+        q_start = rng.integers(-3, N * ks, (B,)).astype(np.int32)
+    else:
+        q_start = np.full((B,), rng.integers(-3, N * ks), np.int32)
+    s = np.arange(S)
+    limit = (q_start[:, None].astype(np.int64) + s[None] + 1 - ks) // ks  # [B, S]
+    visible = np.minimum(limit, N - 1) if case.causal else np.full((B, S), N - 1)
+    u = rng.random((B, S, 1, T))
+    idx = np.floor(u * (np.maximum(visible, 0)[:, :, None, None] + 1)).astype(np.int64)  # with duplicates
+    bad = np.array([INT32_MIN, -1, -7, N, N + 1, INT32_MAX], np.int64)[rng.integers(0, 6, idx.shape)]
+    if case.causal:  # keys that exist but are not visible yet
+        future = np.clip(limit[:, :, None, None] + 1 + rng.integers(0, 5, idx.shape), 0, N - 1)
+        bad = np.where((rng.random(idx.shape) < 0.3) & (future > limit[:, :, None, None]), future, bad)
+    make_bad = (rng.random(idx.shape) < case.invalid_fraction) | (visible < 0)[:, :, None, None]
+    indices = np.where(make_bad, bad, idx).astype(np.int32)
+    target = rng.random((B, S, T)) * (rng.random((B, S, T)) < 0.8)
+    target = (target / np.maximum(target.sum(-1, keepdims=True), 1e-30)).astype(np.float32)
+    target[rng.random((B, S)) < case.zero_rows] = 0.0
+    kwargs = dict(scale=case.scale, causal=case.causal, q_start_index=q_start, k_stride=ks)
+    return (index_q, index_k, weights, indices, target, q_start), kwargs
+
+
+def poisoned_kernel_call(index_q, index_k, weights, indices, target, q_start, *, scale, causal, k_stride):
+    """The indexer kernel on canonical operands, writing into NaN-filled buffers."""
+    row = jax.ShapeDtypeStruct(index_q.shape[:2], jnp.float32)
+    poison = jnp.full(row.shape, jnp.nan, jnp.float32)
+    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_FWD_POISONED, (row, row), input_output_aliases={6: 0, 7: 1})
+    return call(index_q, index_k, weights, indices, target, q_start, poison, poison + 0.0,
+                scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride))
+
+
+_jitted = jax.jit(poisoned_kernel_call, static_argnames=("scale", "causal", "k_stride"))
+
+
+def run_kernel(inputs, kwargs):
+    kw = {k: kwargs[k] for k in ("scale", "causal", "k_stride")}
+    kl, lse = _jitted(*(jnp.asarray(x) for x in inputs), **kw)
+    return np.asarray(kl), np.asarray(lse)
+
+
+def check_case(case: Case):
+    """Run the kernel; every row written; kl within SPEC §5.5 of float64; lse
+    close to float64 (exactly -inf on rows with no valid slot); kl exactly 0
+    on rows with no positive target on a valid slot."""
+    inputs, kwargs = make_case_inputs(case)
+    kl, lse = run_kernel(inputs, kwargs)
+    index_q, index_k, weights, indices, target, q_start = inputs
+    kw = dict(scale=case.scale, causal=case.causal, q_start_index=q_start, k_stride=case.k_stride)
+    want = oracle.indexer_kl_oracle(index_q, index_k, weights, indices, target, **kw)
+    want_lse = oracle.indexer_lse_oracle(index_q, index_k, weights, indices, **kw)
+    assert not np.isnan(kl).any() and not np.isnan(lse).any(), f"{case.name}: unwritten rows"
+    assert np.isfinite(kl).all(), case.name
+    oracle.assert_indexer_close(kl, want)
+    empty = ~np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(lse), ~empty) and np.all(lse[empty] == -np.inf), f"{case.name}: lse of empty rows"
+    if (~empty).any():
+        err = np.abs(lse[~empty] - want_lse[~empty]).max() / max(1.0, np.abs(want_lse[~empty]).max())
+        assert err <= 2e-5, f"{case.name}: lse error {err:.2e}"
+    valid = oracle.valid_mask(indices, case.N, causal=case.causal, q_start_index=q_start, k_stride=case.k_stride)
+    no_teacher = ~((valid[:, :, 0, :] & (target > 0)).any(axis=-1))
+    assert np.all(kl[no_teacher] == 0.0), f"{case.name}: nonzero kl on rows without a target"
+    return kl, lse
+
+
+def sweep_cases(count: int = 40, seed: int = 2027):
+    """Random configurations crossing the kernel's axes; the first ones cover
+    each listed value of each axis at least once."""
+    rng = np.random.default_rng(seed)
+    axes = dict(
+        T=[1, 63, 64, 65, 200, 2048, 2049],
+        HI=[1, 7, 16, 32, 33, 64, 100, 256],
+        DI=[64, 128],
+        B=[None, 1, 3],
+        causal=[True, False],
+        per_batch_q_start=[False, True],
+        k_stride=[1, 4],
+        invalid_fraction=[0.0, 0.3, 1.0],
+    )
+    cases = []
+    for i in range(count):
+        choice = {name: values[i % len(values)] if i < 8 else values[rng.integers(len(values))]
+                  for name, values in axes.items()}
+        if choice["B"] is None:
+            choice["per_batch_q_start"] = False
+        big = choice["T"] >= 2048
+        S = int(rng.integers(1, 5 if big else 20))
+        N = int(rng.integers(1, 4000))
+        cases.append(Case(S=S, N=N, seed=3000 + i, scale=float(rng.choice([0.5, 1.0, 3.0])), **choice))
+    return cases

@@ -1,0 +1,47 @@
+"""The benchmark's own pieces that run anywhere: the plain-XLA indexer loss
+it compares against computes SPEC §5, and the plot is drawn from a results
+file. (The timings themselves need a GPU: benchmarks/bench.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from inputs import make_indexer_inputs, seed_of
+from jax_attn_dist import oracle
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "benchmarks", "bench.py"))
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_plain_xla_indexer_loss_is_the_spec():
+    iq, ik, w, idx, tgt, kw = make_indexer_inputs(seed_of("bench-xla"), S=9, HI=8, DI=16, N=20, T=12)
+    got = bench.xla_indexer_kl(iq, ik, w, idx, tgt, **kw)
+    oracle.assert_indexer_close(got, oracle.indexer_kl_oracle(iq, ik, w, idx, tgt, **kw))
+
+
+def test_plot_from_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [dict(name="v32-h128", kind="attn_dist", kernel_ms=2.1, kernel_tflops=580.0, xla_tflops=90.0),
+            dict(name="idx-v32", kind="indexer", kernel_ms=0.35, kernel_tflops=390.0, xla_tflops=40.0),
+            dict(name="step-v32", kind="step", kernel_ms=4.0)]
+    result = dict(rows=rows, gemm_8192_tflops=740.0, commit="abc", device="H100", jax="0.11.2")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert bench.main(["--plot", str(path)]) == 0
+    png = tmp_path / "r.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_lists_every_row():
+    rows = [dict(name="idx-v32", kind="indexer", kernel_ms=0.35, kernel_tflops=390.0, kernel_frac_gemm=0.5,
+                 xla_ms=3.6, speedup_vs_xla=10.3, kernel_fwd_bwd_ms=5.0, xla_fwd_bwd_ms=23.7),
+            dict(name="step-v32", kind="step", kernel_ms=4.0, xla_ms=25.7, speedup_vs_xla=6.4)]
+    text = bench.table(dict(rows=rows))
+    assert "idx-v32" in text and "step-v32" in text and "23.70" in text

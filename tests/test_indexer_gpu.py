@@ -1,0 +1,155 @@
+"""The SM90 indexer_kl forward kernel on the GPU, against the float64 oracle
+(SPEC §5.5), with poisoned outputs; the public API's kernel path, its
+gradients, indexer_loss on both kernels, determinism and the FFI handler's
+own errors. GPU only (see conftest.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grad_util import assert_grad_close
+from indexer_cases import Case, check_case, make_case_inputs, run_kernel, sweep_cases
+from inputs import make_indexer_inputs, seed_of
+from jax_attn_dist import _contract, indexer_kl, indexer_loss, oracle, synthetic
+
+pytestmark = pytest.mark.gpu
+
+SWEEP = sweep_cases(40)
+
+
+@pytest.mark.parametrize("case", SWEEP, ids=[c.name for c in SWEEP])
+def test_sweep_matches_float64(case):
+    check_case(case)
+
+
+@pytest.mark.parametrize("HI", [16, 32, 64, 128])
+@pytest.mark.parametrize("DI", [64, 128])
+def test_full_topk(HI, DI):
+    check_case(Case(S=12, HI=HI, DI=DI, T=2048, N=8192, invalid_fraction=0.05, seed=HI + DI))
+
+
+def test_large_logits_and_all_zero_targets():
+    check_case(Case(S=16, HI=64, T=512, N=2000, scale=40.0, seed=5))
+    check_case(Case(S=16, HI=64, T=300, N=2000, zero_rows=1.0, seed=6))
+    check_case(Case(S=8, HI=64, T=256, N=2000, invalid_fraction=1.0, seed=7))
+
+
+def test_bitwise_deterministic():
+    inputs, kwargs = make_case_inputs(Case(S=256, HI=64, T=2048, N=8192, B=2, per_batch_q_start=True, seed=11))
+    first = run_kernel(inputs, kwargs)
+    for _ in range(4):
+        again = run_kernel(inputs, kwargs)
+        for a, b in zip(first, again):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_public_api_uses_the_kernel_with_traced_q_start():
+    iq, ik, w, idx, tgt, kw = make_indexer_inputs(seed_of("indexer-gpu-api"), B=2, S=40, HI=64, DI=128, N=700,
+                                                  T=300, q_start_index="batch", weights_dtype=jnp.bfloat16)
+    qs = kw.pop("q_start_index")
+    f = jax.jit(lambda a, b, c, d, e, s: indexer_kl(a, b, c, d, e, q_start_index=s, implementation="cuda", **kw))
+    assert _contract.FFI_INDEXER_FWD in f.lower(iq, ik, w, idx, tgt, qs).as_text()
+    got = f(iq, ik, w, idx, tgt, qs)
+    oracle.assert_indexer_close(got, oracle.indexer_kl_oracle(iq, ik, w, idx, tgt, q_start_index=qs, **kw))
+    default = jax.jit(lambda *a: indexer_kl(*a, q_start_index=qs, **kw))
+    assert _contract.FFI_INDEXER_FWD in default.lower(iq, ik, w, idx, tgt).as_text()  # the default on a GPU
+    # unbatched
+    got0 = jax.jit(lambda *a: indexer_kl(*a, q_start_index=qs[0], implementation="cuda", **kw))(
+        iq[0], ik[0], w[0], idx[0], tgt[0])
+    oracle.assert_indexer_close(got0, oracle.indexer_kl_oracle(iq[0], ik[0], w[0], idx[0], tgt[0],
+                                                               q_start_index=int(qs[0]), **kw))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_kernel_path_gradients(deterministic):
+    """Forward on the kernel, backward in jnp: the gradients match the float64
+    formulas and the XLA path's."""
+    iq, ik, w, idx, tgt, kw = make_indexer_inputs(seed_of("indexer-gpu-grad", deterministic), B=2, S=24, HI=64,
+                                                  DI=128, N=300, T=200, q_start_index="batch")
+    rng = np.random.default_rng(3)
+    g = jnp.asarray(rng.standard_normal((2, 24)), jnp.float32)
+    qs = kw.pop("q_start_index")
+
+    def grads(impl):
+        loss = lambda a, b, c: jnp.sum(g * indexer_kl(a, b, c, idx, tgt, q_start_index=qs, implementation=impl,  # noqa: E731
+                                                      deterministic=deterministic, **kw))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(iq, ik, w)
+
+    got, xla = grads("cuda"), grads("xla")
+    want = oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, q_start_index=qs, **kw)
+    for name, a, b, o in zip(("d_index_q", "d_index_k", "d_weights"), got, xla, want):
+        assert_grad_close(a, o, name + " vs float64", 1e-2, 1e-3)
+        assert_grad_close(a, b, name + " vs XLA path", 1e-2, 1e-3)
+    if deterministic:
+        again = grads("cuda")
+        for a, b in zip(got, again):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_indexer_loss_on_both_kernels():
+    p = synthetic.make_problem(S=128, N=1024, H=128, T=256, D=576, B=2, lse_base="e", seed=9)
+    ix = synthetic.make_indexer(p, HI=64, DI=128, seed=9)
+    f = jax.jit(lambda *a: indexer_loss(*a, implementation="cuda", **p.kwargs))
+    args = (p.q, p.k, p.lse, *ix.arrays, p.indices)
+    text = f.lower(*args).as_text()
+    assert _contract.FFI_TARGET in text and _contract.FFI_INDEXER_FWD in text
+    got = f(*args)
+    mass = oracle.attn_dist_oracle(*p.arrays, **p.kwargs).sum(axis=1)
+    total = mass.sum(-1, keepdims=True)
+    target = np.where(total > 0, mass / np.where(total > 0, total, 1), 0)
+    want = oracle.indexer_kl_oracle(*ix.arrays, p.indices, target, causal=p.causal, q_start_index=p.q_start_index,
+                                    k_stride=p.k_stride)
+    oracle.assert_indexer_close(got, want)
+
+
+def test_zero_topk_writes_zero_kl_and_minus_inf_lse():
+    """T = 0 through the handler directly (the public API returns zeros
+    without a launch): every row still written."""
+    inputs, kwargs = make_case_inputs(Case(S=5, HI=16, T=0, N=10, seed=1))
+    kl, lse = run_kernel(inputs, kwargs)
+    assert np.all(kl == 0) and np.all(lse == -np.inf)
+
+
+def _raw_ffi(**change):
+    shapes = dict(index_q=(1, 4, 64, 128), index_k=(1, 32, 128), weights=(1, 4, 64), indices=(1, 4, 1, 64),
+                  target=(1, 4, 64), q_start=(1,), out=(1, 4))
+    attrs = dict(scale=1.0, k_stride=1)
+    for k, v in change.items():
+        (shapes if k in shapes else attrs)[k] = v
+    dt = dict(index_q=jnp.bfloat16, index_k=jnp.bfloat16, weights=jnp.float32, indices=jnp.int32,
+              target=jnp.float32, q_start=jnp.int32)
+    args = [jnp.zeros(shapes[n], dt[n]) for n in dt]
+    out = jax.ShapeDtypeStruct(shapes["out"], jnp.float32)
+    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_FWD, (out, out))
+    return jax.block_until_ready(jax.jit(lambda *a: call(*a, scale=np.float32(attrs["scale"]), causal=True,
+                                                         k_stride=np.int32(attrs["k_stride"])))(*args))
+
+
+BAD = {
+    "DI=32": (dict(index_q=(1, 4, 64, 32), index_k=(1, 32, 32)), "DI must be 64 or 128"),
+    "HI=300": (dict(index_q=(1, 4, 300, 128), weights=(1, 4, 300)), "HI must be in"),
+    "index_q rank": (dict(index_q=(4, 64, 128)), "index_q must be rank 4"),
+    "index_k DI": (dict(index_k=(1, 32, 64)), "index_k must have shape"),
+    "weights": (dict(weights=(1, 4, 63)), "weights must have shape"),
+    "indices HK": (dict(indices=(1, 4, 2, 64)), "indices must have shape"),
+    "target T": (dict(target=(1, 4, 65)), "target must have shape"),
+    "q_start": (dict(q_start=(2,)), "q_start must have shape"),
+    "out": (dict(out=(1, 5)), "kl must have shape"),
+    "scale": (dict(scale=float("nan")), "scale must be finite"),
+    "k_stride": (dict(k_stride=0), "k_stride must be >= 1"),
+}
+
+
+def test_ffi_handler_accepts_good_call():
+    kl, lse = _raw_ffi()
+    assert kl.shape == (1, 4) and np.all(np.asarray(kl) == 0)
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_ffi_handler_returns_clear_errors(name):
+    change, message = BAD[name]
+    with pytest.raises(Exception, match=message):
+        _raw_ffi(**change)
