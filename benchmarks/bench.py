@@ -1,21 +1,34 @@
-"""attn_dist benchmark: CUDA kernel vs the jnp reference under XLA vs a dense GEMM.
+"""Benchmark: the CUDA kernels vs the same work written in XLA vs a dense GEMM.
 
-SPEC §4: every shape is timed in one process, side by side with (a) the jnp
-reference on the same GPU and (b) a dense bf16 8192^3 matmul, the practical
-ceiling. FLOPs = 2 * B * S * H * T * D (every slot counted).
+Everything is timed in one process on one GPU, side by side (docs/SPEC.md §4
+and §7):
 
-Timing: each sample enqueues `--calls` back-to-back launches of one jitted
-call (alternating between two input sets, so repeated runs do not just re-read
-one buffer from L2) and blocks once; the per-call time of a sample is its wall
-time / calls, and the reported figure is the median over `--samples` samples
-after warm-up. Host dispatch overlaps device work, so this is device time per
-call to within the launch gap.
+* ``attn_dist`` shapes (§4): the kernel, the jnp reference under XLA, and a
+  dense bf16 8192^3 matmul, the practical ceiling. FLOPs = 2*B*S*H*T*D.
+* indexer shapes (§7): ``indexer_kl``'s forward on the kernel, its jnp path,
+  and the loss written plainly in XLA (gather + einsum + log_softmax + KL,
+  materialised); forward and forward + backward. FLOPs = 2*B*S*HI*T*DI.
+* ``step-v32`` (§7): the indexer training step, ``jax.value_and_grad`` of the
+  mean ``indexer_loss`` (the attn_dist target of v32-h128, normalised, plus
+  the idx-v32 indexer loss, forward and backward) against the same step with
+  the indexer loss written in XLA around the attn_dist kernel.
 
-Memory: XLA's own accounting of each compiled call (temporaries + output), the
-device memory each path needs beyond its inputs.
+Timing: each sample enqueues ``--calls`` back-to-back launches of one jitted
+call (alternating between two input sets, so repeated runs do not just
+re-read one buffer from L2) and blocks once; the per-call time of a sample is
+its wall time / calls, and the reported figure is the median over
+``--samples`` samples after warm-up. Host dispatch overlaps device work, so
+this is device time per call to within the launch gap.
 
-    python benchmarks/bench.py                     # the SPEC §4 shapes + extras
-    python benchmarks/bench.py --shapes v32-h128 --json results.json
+Memory: XLA's own accounting of each compiled call (temporaries + output),
+the device memory each path needs beyond its inputs.
+
+    python benchmarks/bench.py                            # everything
+    python benchmarks/bench.py --shapes v32-h128 idx-v32 --json results.json
+
+With ``--json X.json`` the results go to X.json and a plot (TFLOP/s per
+shape: kernel, XLA, GEMM ceiling) to X.png; ``--plot X.json`` redraws the
+plot from a results file.
 """
 
 from __future__ import annotations
@@ -31,12 +44,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-
-import jax_attn_dist
-from jax_attn_dist import synthetic
+import numpy as np
 
 # name: (S, N, H, T, D). SPEC §4 first, then the partial-H / partial-T shapes.
-SHAPES = {
+ATTN_SHAPES = {
     "v32-h128": (4096, 8192, 128, 2048, 576),
     "v32-h128-long": (4096, 32768, 128, 2048, 576),
     "v32-h128-128k": (4096, 131072, 128, 2048, 576),
@@ -48,6 +59,19 @@ SHAPES = {
     "h96-t2000": (4096, 8192, 96, 2000, 576),
     "v32-h128-d512": (4096, 8192, 128, 2048, 512),
 }
+# name: (S, N, HI, T, DI). SPEC §7 first, then fewer heads.
+INDEXER_SHAPES = {
+    "idx-v32": (4096, 8192, 64, 2048, 128),
+    "idx-v32-128k": (4096, 131072, 64, 2048, 128),
+    "idx-h32": (4096, 8192, 32, 2048, 128),
+    "idx-h16": (4096, 8192, 16, 2048, 128),
+}
+STEPS = ("step-v32",)
+ALL = list(ATTN_SHAPES) + list(INDEXER_SHAPES) + list(STEPS)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
 
 
 def time_calls(fn, arg_sets, *, calls: int, samples: int, warmup: int = 3) -> float:
@@ -87,7 +111,15 @@ def gemm_ceiling(calls: int, samples: int) -> float:
     return 2 * n**3 / t / 1e12
 
 
-def bench_shape(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
+# ----------------------------------------------------------------------------
+# attn_dist
+# ----------------------------------------------------------------------------
+
+
+def bench_attn_dist(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
+    import jax_attn_dist
+    from jax_attn_dist import synthetic
+
     S, N, H, T, D = dims
     probs = [synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=seed) for seed in (0, 1)]
     kw = probs[0].kwargs
@@ -97,7 +129,7 @@ def bench_shape(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
     kernel = jax.jit(lambda q, k, i, l: jax_attn_dist.attn_dist(q, k, i, l, implementation="cuda", **kw))
     xla = jax.jit(lambda q, k, i, l: jax_attn_dist.attn_dist(q, k, i, l, implementation="xla", **kw))
 
-    row = {"name": name, "S": S, "N": N, "H": H, "T": T, "D": D, "flops": flops}
+    row = {"name": name, "kind": "attn_dist", "S": S, "N": N, "H": H, "T": T, "D": D, "flops": flops}
     out_k = kernel(*arg_sets[0])
     t_k = time_calls(kernel, arg_sets, calls=calls, samples=samples)
     row.update(
@@ -110,7 +142,7 @@ def bench_shape(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
     if with_xla:
         out_x = xla(*arg_sets[0])
         t_x = time_calls(xla, arg_sets, calls=max(1, calls // 2), samples=samples)
-        rel, max_abs, max_ref = synthetic.compare(out_k, out_x)
+        rel, max_abs, _ = synthetic.compare(out_k, out_x)
         row.update(
             xla_ms=t_x * 1e3,
             xla_tflops=flops / t_x / 1e12,
@@ -119,59 +151,255 @@ def bench_shape(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
             rel_err_vs_xla=rel,
             max_abs_err_vs_xla=max_abs,
         )
-    del probs, arg_sets
     return row
+
+
+# ----------------------------------------------------------------------------
+# the indexer loss
+# ----------------------------------------------------------------------------
+
+
+def xla_indexer_kl(index_q, index_k, weights, indices, target, *, scale, causal, q_start_index, k_stride):
+    """SPEC §5's loss written plainly in XLA, as a user would without the
+    package: gather + einsum + relu-weighted sum + masked log_softmax + KL,
+    everything materialised ([S, HI, T] float32 scores)."""
+    S, HI, DI = index_q.shape
+    N = index_k.shape[0]
+    idx = indices[:, 0, :]
+    valid = (idx >= 0) & (idx < N)
+    if causal:
+        limit = jnp.floor_divide(q_start_index + jnp.arange(S) + 1 - k_stride, k_stride)
+        valid &= idx <= limit[:, None]
+    kg = index_k[jnp.clip(idx, 0, N - 1)]                                        # [S, T, DI]
+    z = jnp.einsum("shd,std->sht", index_q, kg, preferred_element_type=jnp.float32)
+    logits = scale * jnp.einsum("sh,sht->st", weights.astype(jnp.float32), jax.nn.relu(z))
+    log_p = jax.nn.log_softmax(jnp.where(valid, logits, -1e30), axis=-1)
+    t = jnp.where(valid & (target > 0), target, 0.0)
+    pos = t > 0
+    return jnp.sum(jnp.where(pos, t * (jnp.log(jnp.where(pos, t, 1.0)) - log_p), 0.0), axis=-1)
+
+
+def indexer_problem(S, N, HI, T, DI, seed):
+    """Causal top-k indices (from the synthetic generator, with a cheap main
+    attention), an indexer, and a random target over the valid slots."""
+    from jax_attn_dist import synthetic
+
+    p = synthetic.make_problem(S=S, N=N, H=1, T=T, D=64, seed=seed)
+    ix = synthetic.make_indexer(p, HI=HI, DI=DI, seed=seed)
+    u = jax.random.uniform(jax.random.key(seed + 99), (S, T), jnp.float32)
+    t = jnp.where(p.indices[:, 0, :] >= 0, u, 0.0)
+    target = t / jnp.maximum(t.sum(-1, keepdims=True), 1e-30)
+    return (*ix.arrays, p.indices, target), dict(scale=1.0, causal=True, q_start_index=p.q_start_index, k_stride=1)
+
+
+def bench_indexer(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
+    import jax_attn_dist
+    from jax_attn_dist import oracle
+
+    S, N, HI, T, DI = dims
+    sets = [indexer_problem(S, N, HI, T, DI, seed) for seed in (0, 1)]
+    kw = sets[0][1]
+    arg_sets = [a for a, _ in sets]
+    flops = 2 * S * HI * T * DI
+    row = {"name": name, "kind": "indexer", "S": S, "N": N, "HI": HI, "T": T, "DI": DI, "flops": flops}
+
+    def fwd(impl):
+        if impl == "plain":
+            return jax.jit(lambda *a: xla_indexer_kl(*a, **kw))
+        return jax.jit(lambda *a: jax_attn_dist.indexer_kl(*a, implementation=impl, **kw))
+
+    def fwd_bwd(impl):
+        loss = (lambda *a: xla_indexer_kl(*a, **kw).mean()) if impl == "plain" else (
+            lambda *a: jax_attn_dist.indexer_kl(*a, implementation=impl, **kw).mean())
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    kernel = fwd("cuda")
+    out_k = kernel(*arg_sets[0])
+    t_k = time_calls(kernel, arg_sets, calls=calls, samples=samples)
+    kb = fwd_bwd("cuda")
+    t_kb = time_calls(kb, arg_sets, calls=max(1, calls // 2), samples=samples)
+    row.update(kernel_ms=t_k * 1e3, kernel_tflops=flops / t_k / 1e12, kernel_frac_gemm=flops / t_k / 1e12 / gemm_tflops,
+               kernel_extra_bytes=extra_memory_bytes(kernel, *arg_sets[0]),
+               kernel_fwd_bwd_ms=t_kb * 1e3, kernel_fwd_bwd_extra_bytes=extra_memory_bytes(kb, *arg_sets[0]),
+               gather_bytes=S * T * DI * 2)
+    if with_xla:
+        for impl, key in (("xla", "jnp"), ("plain", "xla")):
+            f = fwd(impl)
+            out = f(*arg_sets[0])
+            t = time_calls(f, arg_sets, calls=max(1, calls // 4), samples=samples)
+            fb = fwd_bwd(impl)
+            t_b = time_calls(fb, arg_sets, calls=max(1, calls // 4), samples=samples)
+            row.update({f"{key}_ms": t * 1e3, f"{key}_tflops": flops / t / 1e12,
+                        f"{key}_extra_bytes": extra_memory_bytes(f, *arg_sets[0]),
+                        f"{key}_fwd_bwd_ms": t_b * 1e3, f"{key}_fwd_bwd_extra_bytes": extra_memory_bytes(fb, *arg_sets[0]),
+                        f"max_err_vs_{key}": oracle.indexer_error(out_k, out)})
+        row.update(speedup_vs_xla=row["xla_ms"] / row["kernel_ms"],
+                   fwd_bwd_speedup_vs_xla=row["xla_fwd_bwd_ms"] / row["kernel_fwd_bwd_ms"])
+    return row
+
+
+def bench_step(name, *, calls, samples, gemm_tflops, with_xla=True):
+    """step-v32: value_and_grad of the mean indexer_loss (target from the
+    v32-h128 attn_dist, idx-v32 indexer), vs the same step with the indexer
+    loss in XLA around the attn_dist kernel."""
+    import jax_attn_dist
+    from jax_attn_dist import synthetic
+
+    S, N, H, T, D = ATTN_SHAPES["v32-h128"]
+    HI, DI = INDEXER_SHAPES["idx-v32"][2], INDEXER_SHAPES["idx-v32"][4]
+    sets = []
+    for seed in (0, 1):
+        p = synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, lse_base="e", seed=seed)
+        ix = synthetic.make_indexer(p, HI=HI, DI=DI, seed=seed)
+        sets.append((p.q, p.k, p.lse, *ix.arrays, p.indices))
+    kw = dict(sm_scale=p.sm_scale, lse_base="e", causal=True, q_start_index=p.q_start_index, k_stride=1)
+
+    def ours(q, k, lse, iq, ik, w, idx):
+        loss = lambda iq, ik, w: jax_attn_dist.indexer_loss(q, k, lse, iq, ik, w, idx, **kw).mean()  # noqa: E731
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(iq, ik, w)
+
+    def theirs(q, k, lse, iq, ik, w, idx):
+        dist = jax_attn_dist.attn_dist(q, k, idx, lse, implementation="cuda", **kw)
+        mass = dist.sum(axis=0)
+        total = mass.sum(-1, keepdims=True)
+        target = jax.lax.stop_gradient(jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), 0.0))
+        rule = dict(causal=True, q_start_index=kw["q_start_index"], k_stride=1, scale=1.0)
+        loss = lambda iq, ik, w: xla_indexer_kl(iq, ik, w, idx, target, **rule).mean()  # noqa: E731
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(iq, ik, w)
+
+    row = {"name": name, "kind": "step", "S": S, "N": N, "H": H, "T": T, "D": D, "HI": HI, "DI": DI,
+           "flops": 2 * S * T * (H * D + 3 * HI * DI)}
+    f = jax.jit(ours)
+    (v_ours, _) = f(*sets[0])
+    t = time_calls(f, sets, calls=max(1, calls // 2), samples=samples)
+    row.update(kernel_ms=t * 1e3, kernel_extra_bytes=extra_memory_bytes(f, *sets[0]))
+    if with_xla:
+        g = jax.jit(theirs)
+        (v_theirs, _) = g(*sets[0])
+        t_x = time_calls(g, sets, calls=max(1, calls // 4), samples=samples)
+        row.update(xla_ms=t_x * 1e3, xla_extra_bytes=extra_memory_bytes(g, *sets[0]), speedup_vs_xla=t_x / t,
+                   loss=float(v_ours), loss_xla=float(v_theirs))
+    return row
+
+
+# ----------------------------------------------------------------------------
+# driver, table, plot
+# ----------------------------------------------------------------------------
 
 
 def git_commit() -> str:
     if os.environ.get("JAX_ATTN_DIST_COMMIT"):  # the device copy of the tree has no .git
         return os.environ["JAX_ATTN_DIST_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
     except Exception:  # noqa: BLE001
         return "unknown"
 
 
+def table(result) -> str:
+    gb = lambda b: (b or 0) / 1e9  # noqa: E731
+    lines = [f"{'shape':<16}{'kernel ms':>10}{'TFLOP/s':>9}{'of GEMM':>8}{'XLA ms':>9}{'speedup':>8}"
+             f"{'XLA tmp GB':>11}{'fwd+bwd ms':>11}{'XLA f+b ms':>11}"]
+    for r in result["rows"]:
+        tf = r.get("kernel_tflops")
+        lines.append(
+            f"{r['name']:<16}{r['kernel_ms']:>10.3f}{tf if tf is not None else float('nan'):>9.0f}"
+            f"{r.get('kernel_frac_gemm', float('nan')):>8.0%}{r.get('xla_ms', float('nan')):>9.2f}"
+            f"{r.get('speedup_vs_xla', float('nan')):>7.2f}x{gb(r.get('xla_extra_bytes')):>11.2f}"
+            f"{r.get('kernel_fwd_bwd_ms', float('nan')):>11.3f}{r.get('xla_fwd_bwd_ms', float('nan')):>11.2f}")
+    return "\n".join(lines)
+
+
+def plot(result, path: str) -> str | None:
+    """TFLOP/s per shape: kernel, XLA, and the same-run GEMM ceiling."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("plot: matplotlib is not installed; skipped (python benchmarks/bench.py --plot X.json redraws it)")
+        return None
+    rows = [r for r in result["rows"] if r.get("kernel_tflops") is not None]
+    groups = [("attn_dist (FLOPs = 2 S H T D)", [r for r in rows if r["kind"] == "attn_dist"]),
+              ("indexer_kl forward (FLOPs = 2 S HI T DI)", [r for r in rows if r["kind"] == "indexer"])]
+    groups = [(title, rs) for title, rs in groups if rs]
+    if not groups:
+        return None
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.8), squeeze=False)
+    for ax, (title, rs) in zip(axes[0], groups):
+        x = np.arange(len(rs))
+        ax.bar(x - 0.2, [r["kernel_tflops"] for r in rs], 0.4, label="CUDA kernel")
+        ax.bar(x + 0.2, [r.get("xla_tflops", 0.0) for r in rs], 0.4, label="XLA")
+        ax.axhline(result["gemm_8192_tflops"], color="k", ls="--", lw=1,
+                   label=f"dense bf16 GEMM ({result['gemm_8192_tflops']:.0f})")
+        for xi, r in zip(x, rs):
+            ax.text(xi - 0.2, r["kernel_tflops"], f"{r['kernel_ms']:.2f} ms", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x, [r["name"] for r in rs], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"jax_attn_dist {result['commit']} on {result['device']}, jax {result['jax']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="*", default=ALL, choices=ALL)
     ap.add_argument("--calls", type=int, default=10, help="launches per timed sample")
     ap.add_argument("--samples", type=int, default=15, help="timed samples (median reported)")
-    ap.add_argument("--no-xla", action="store_true", help="skip the jnp reference")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--no-xla", action="store_true", help="skip the XLA baselines")
+    ap.add_argument("--json", default=None, help="write the results here (and a plot next to it)")
+    ap.add_argument("--plot", default=None, metavar="JSON", help="only redraw the plot of a results file")
     args = ap.parse_args(argv)
+
+    if args.plot:
+        with open(args.plot) as f:
+            result = json.load(f)
+        result.setdefault("rows", result.get("shapes", []))
+        for r in result["rows"]:
+            r.setdefault("kind", "attn_dist")
+        log(f"plot: {plot(result, os.path.splitext(args.plot)[0] + '.png')}")
+        return 0
+
+    import jax_attn_dist
 
     if jax.default_backend() != "gpu" or not jax_attn_dist.kernel_available():
         print("bench.py needs a CUDA GPU and the built kernel", file=sys.stderr)
         return 2
     dev = jax.devices()[0]
+    t0 = time.perf_counter()
     gemm = gemm_ceiling(args.calls, args.samples)
     result = {
-        "device": dev.device_kind,
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "commit": git_commit(),
-        "gemm_8192_tflops": gemm,
+        "device": dev.device_kind, "jax": jax.__version__, "python": platform.python_version(),
+        "commit": git_commit(), "gemm_8192_tflops": gemm,
         "timing": f"median of {args.samples} samples x {args.calls} back-to-back calls, 2 input sets",
-        "shapes": [],
+        "rows": [],
     }
-    print(f"{dev.device_kind}  jax {jax.__version__}  dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s", flush=True)
-    for name in args.shapes:
-        row = bench_shape(name, SHAPES[name], calls=args.calls, samples=args.samples, gemm_tflops=gemm,
-                          with_xla=not args.no_xla)
-        result["shapes"].append(row)
-        print(json.dumps(row), flush=True)
+    log(f"{dev.device_kind}  jax {jax.__version__}  dense bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s")
+    opts = dict(calls=args.calls, samples=args.samples, gemm_tflops=gemm, with_xla=not args.no_xla)
+    for i, name in enumerate(args.shapes, 1):
+        log(f"[{i}/{len(args.shapes)}] {name} ... ({time.perf_counter() - t0:.0f} s elapsed)")
+        t_shape = time.perf_counter()
+        if name in ATTN_SHAPES:
+            row = bench_attn_dist(name, ATTN_SHAPES[name], **opts)
+        elif name in INDEXER_SHAPES:
+            row = bench_indexer(name, INDEXER_SHAPES[name], **opts)
+        else:
+            row = bench_step(name, **opts)
+        row["bench_seconds"] = time.perf_counter() - t_shape
+        result["rows"].append(row)
+        log(json.dumps(row))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
-
-    hdr = f"{'shape':<16}{'kernel ms':>10}{'TFLOP/s':>9}{'of GEMM':>8}{'XLA ms':>9}{'speedup':>8}{'XLA tmp GB':>11}{'rel err':>9}"
-    print("\n" + hdr)
-    for r in result["shapes"]:
-        xla_gb = (r.get("xla_extra_bytes") or 0) / 1e9
-        print(f"{r['name']:<16}{r['kernel_ms']:>10.3f}{r['kernel_tflops']:>9.0f}{r['kernel_frac_gemm']:>8.0%}"
-              f"{r.get('xla_ms', float('nan')):>9.2f}{r.get('speedup_vs_xla', float('nan')):>7.2f}x"
-              f"{xla_gb:>11.2f}{r.get('rel_err_vs_xla', float('nan')):>9.1e}")
+    log("\n" + table(result))
+    if args.json:
+        log(f"plot: {plot(result, os.path.splitext(args.json)[0] + '.png')}")
     return 0
 
 

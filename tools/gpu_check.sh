@@ -3,23 +3,31 @@
 #   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [sanitize] [ncu] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
+#
+# GPU test steps run with JAX_ATTN_DIST_REQUIRE_GPU set (1, or 2 for
+# multi-gpu): a test that cannot reach the GPU or the kernel fails instead of
+# skipping, and a stale or broken extension is an error, not a warning.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test demo bench)
 status=()
-STEP_TIMEOUT=${STEP_TIMEOUT:-240}  # a hung kernel must not eat the whole call
+failed=0
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}  # a hung kernel must not eat the whole call
 run() {  # name, command...
   local name=$1; shift
   local t0=$SECONDS
   timeout -k 5 "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   status+=("$name rc=$rc $((SECONDS - t0))s")
+  [ $rc -ne 0 ] && failed=1
   echo "== $name rc=$rc ($((SECONDS - t0))s)"; tail -n 25 "$OUT/$name.log"
   return $rc
 }
+GPU_TESTS=(tests/test_kernel_gpu.py tests/test_gpu.py tests/test_gpu_transforms.py tests/test_indexer_gpu.py)
 for step in "${steps[@]}"; do
   case $step in
     build)
@@ -27,24 +35,37 @@ for step in "${steps[@]}"; do
       export PYTHONPATH=/tmp/site
       { nvidia-smi; nvcc --version; python3 -c "import jax; print(jax.__version__, jax.devices())"; } > "$OUT/env.log" 2>&1
       run build python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
-      grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | sort | uniq -c ;;
-    test) run test python3 -m pytest -q -rs tests/test_kernel_gpu.py tests/test_gpu.py tests/test_gpu_transforms.py \
-            --run-large -p no:cacheprovider ;;
-    test-all) run test-all env JAX_PLATFORMS=cpu python3 -m pytest -q -rs tests -p no:cacheprovider ;;
-    multi-gpu) run multi-gpu python3 -m pytest -q -rs tests/test_gpu_sharding.py tests/test_sharding.py -p no:cacheprovider
+      grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | sort | uniq -c
+      # The extension the tests load must be the one just built from this tree.
+      run build-id env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -c "
+from jax_attn_dist import _ext
+m = _ext.extension_module(); here = _ext.build_id_of('.')
+print(m.__file__, 'built', m.build_id(), 'checkout', here)
+assert m.build_id() == here, 'stale extension'
+print(_ext.kernel_unavailable_reason())" || exit 1 ;;
+    test) run test env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m pytest -q -rs "${GPU_TESTS[@]}" --run-large \
+            -p no:cacheprovider ;;
+    test-all) run test-all env JAX_PLATFORMS=cpu JAX_ATTN_DIST_REQUIRE_GPU=0 python3 -m pytest -q -rs tests \
+                -p no:cacheprovider ;;
+    multi-gpu) run multi-gpu env JAX_ATTN_DIST_REQUIRE_GPU=2 python3 -m pytest -q -rs tests/test_gpu_sharding.py \
+                 tests/test_sharding.py tests/test_indexer_sharding.py -p no:cacheprovider
                run shard-map-example python3 examples/shard_map_example.py ;;
-    demo) run demo python3 -m jax_attn_dist ;;
+    demo) run demo env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m jax_attn_dist ;;
     bench) run bench python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
-    bench-quick) run bench python3 benchmarks/bench.py --shapes v32-h128 v32-h64 --json "$OUT/bench.json" ;;
+    bench-quick) run bench python3 benchmarks/bench.py --shapes v32-h128 v32-h64 idx-v32 step-v32 \
+                   --json "$OUT/bench.json" ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
-        run "sanitize-$tool" compute-sanitizer --tool "$tool" --kernel-name kns=attn_dist_kernel --error-exitcode 9 \
-          python3 tests/sanitizer_run.py
+        for kernel in attn_dist indexer; do
+          name=$([ $kernel = attn_dist ] && echo attn_dist_kernel || echo indexer_fwd_kernel)
+          run "sanitize-$tool-$kernel" compute-sanitizer --tool "$tool" --kernel-name "kns=$name" --error-exitcode 9 \
+            python3 tests/sanitizer_run.py "$kernel"
+        done
       done ;;
     ncu)
-      for shape in v32-h128 v32-h64; do
-        run "ncu-$shape" ncu --kernel-name regex:attn_dist --launch-skip 2 --launch-count 1 --set full \
-          --import-source no --page details python3 tools/profile_kernel.py "$shape"
+      for shape in v32-h128 v32-h64 idx-v32; do
+        run "ncu-$shape" ncu --kernel-name regex:"attn_dist_kernel|indexer_fwd_kernel" --launch-skip 2 \
+          --launch-count 1 --set full --import-source no --page details python3 tools/profile_kernel.py "$shape"
       done ;;
     sass)
       so=$(cd /tmp && python3 -c "import jax_attn_dist._cuda as m; print(m.__file__)")
@@ -52,3 +73,4 @@ for step in "${steps[@]}"; do
   esac
 done
 echo "== summary"; printf '%s\n' "${status[@]}"
+exit $failed

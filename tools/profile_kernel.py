@@ -1,6 +1,6 @@
-"""Run the kernel a few times on one benchmark shape, for ncu.
+"""Run a kernel a few times on one benchmark shape, for ncu.
 
-    ncu --kernel-name regex:attn_dist --launch-skip 2 --launch-count 1 --set full \
+    ncu --kernel-name regex:"attn_dist_kernel|indexer_fwd_kernel" --launch-skip 2 --launch-count 1 --set full \
         python3 tools/profile_kernel.py v32-h64
 """
 
@@ -10,12 +10,18 @@ import jax
 
 sys.path.insert(0, "benchmarks")
 import jax_attn_dist  # noqa: E402
-from bench import SHAPES  # noqa: E402
+from bench import ATTN_SHAPES, INDEXER_SHAPES, indexer_problem  # noqa: E402
 from jax_attn_dist import synthetic  # noqa: E402
 
-S, N, H, T, D = SHAPES[sys.argv[1] if len(sys.argv) > 1 else "v32-h128"]
-p = synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=0)
-f = jax.jit(lambda q, k, i, l: jax_attn_dist.attn_dist(q, k, i, l, implementation="cuda", **p.kwargs))
+name = sys.argv[1] if len(sys.argv) > 1 else "v32-h128"
+if name in INDEXER_SHAPES:
+    args, kw = indexer_problem(*INDEXER_SHAPES[name], seed=0)
+    f = jax.jit(lambda *a: jax_attn_dist.indexer_kl(*a, implementation="cuda", **kw))
+else:
+    S, N, H, T, D = ATTN_SHAPES[name]
+    p = synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=0)
+    args = p.arrays
+    f = jax.jit(lambda q, k, i, l: jax_attn_dist.attn_dist(q, k, i, l, implementation="cuda", **p.kwargs))
 for _ in range(4):
-    jax.block_until_ready(f(*p.arrays))
-print("done", S, N, H, T, D)
+    jax.block_until_ready(f(*args))
+print("done", name)
