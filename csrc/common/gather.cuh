@@ -92,8 +92,9 @@ __device__ __forceinline__ void release_stage(typename Ring::Barriers& ring, int
 // its kStages stage buffers) with the key rows of its blocks, kDims / 64
 // stages per block. Thread `feeder` copies 16-byte chunk (feeder % 8) of rows
 // (feeder / 8) + (kFeeders / 8) * r of each stage. `keys` is this batch
-// element's [N, kDims] key rows.
-template <class Ring, int kDims>
+// element's [N, kDims] key rows. The slot indices are loaded kLookahead of
+// this ring's blocks ahead.
+template <class Ring, int kDims, int kLookahead = 1>
 __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::Barriers& ring,
                                                   const RowSlots& slots, const bf16* keys, int consumer,
                                                   int feeder) {
@@ -110,19 +111,25 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
   const int num_blocks = slots.num_blocks();
   RingPos<Ring::kStages> pos;
 
-  // The slot indices are loaded one block ahead: waiting for them at the start
-  // of each block stalled the gather for an L2 round trip per block.
-  int32_t next_index[kRows];
-  auto load_block_indices = [&](int block) {
+  // The slot indices are loaded ahead: waiting for them at the start of each
+  // block stalled the gather for an L2 round trip per block. (Loads past T
+  // return -1 without reading.)
+  int32_t ahead[kLookahead][kRows];
+  auto load_block_indices = [&](int block, int32_t (&into)[kRows]) {
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) next_index[r] = slots.load(block * kBlockTopk + row0 + kRowStep * r);
+    for (int r = 0; r < kRows; ++r) into[r] = slots.load(block * kBlockTopk + row0 + kRowStep * r);
   };
-  if (consumer < num_blocks) load_block_indices(consumer);
+  CUTE_UNROLL
+  for (int a = 0; a < kLookahead; ++a) load_block_indices(consumer + a * Ring::kConsumers, ahead[a]);
   for (int block = consumer; block < num_blocks; block += Ring::kConsumers) {
     int32_t key[kRows];  // -1: zero-fill, read nothing
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) key[r] = slots.key_if_valid(next_index[r]);
-    if (block + Ring::kConsumers < num_blocks) load_block_indices(block + Ring::kConsumers);
+    for (int r = 0; r < kRows; ++r) key[r] = slots.key_if_valid(ahead[0][r]);
+    CUTE_UNROLL
+    for (int a = 0; a + 1 < kLookahead; ++a)
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) ahead[a][r] = ahead[a + 1][r];
+    load_block_indices(block + kLookahead * Ring::kConsumers, ahead[kLookahead - 1]);
     for (int dt = 0; dt < kDimTiles; ++dt) {
       cutlass::arch::ClusterBarrier::wait(&ring.empty[consumer][pos.stage], pos.phase ^ 1);
       bf16* stage = stages + pos.stage * Ring::kStageElems;

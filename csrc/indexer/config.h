@@ -40,6 +40,11 @@ constexpr int kCtasPerSm = 2;
 constexpr int kSmemBudget = (228 * 1024) / kCtasPerSm - 1024;
 constexpr int kConsumerWarps = kNumConsumers * 4;
 
+// Slot indices (producer and consumer) and targets (consumer) are loaded this
+// many blocks ahead: a block is a few hundred cycles of work, an L2 or HBM
+// round trip longer.
+constexpr int kSlotLookahead = 2;
+
 // The per-thread softmax/KL state that the final reduction combines.
 constexpr int kRowStateFloats = 5;  // max, sum of exp, target mass, target x (logit - max), target x log target
 

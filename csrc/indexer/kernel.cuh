@@ -37,6 +37,12 @@ __device__ __forceinline__ float exp_approx(float x) {  // e^x for x <= 0 (ftz: 
   return y;
 }
 
+__device__ __forceinline__ float log_approx(float x) {  // ln x for x > 0; no ftz: a denormal target keeps its log
+  float y;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y * 0.6931471805599453f;
+}
+
 // The softmax and KL sums over the slots a thread (then a warp, then the CTA)
 // has seen, relative to its running maximum m of the valid logits:
 //   l = sum exp(x - m), tau = sum t, tx = sum t (x - m), tlogt = sum t log t.
@@ -56,7 +62,7 @@ struct RowState {
     if (t > 0.f) {
       tau += t;
       tx += t * (x - m);
-      tlogt += t * logf(t);  // logf, not __logf: a denormal target must not become -inf
+      tlogt += t * log_approx(t);
     }
   }
 
@@ -83,6 +89,11 @@ struct RowState {
     return o;
   }
 };
+
+// Named barrier 1 over the consumer warpgroups (the producer runs on its own).
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kNumConsumers * kWarpgroupThreads) : "memory");
+}
 
 // Per-CTA facts shared by producer and consumers.
 struct CtaProblem {
@@ -126,18 +137,23 @@ __device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& pl
 // sum over this thread's accumulator columns of weights[col] * relu(z), for
 // its two rows (WGMMA 64xN f32 layout: acc(4j + 2*rh + e) is row
 // 16w + l/4 + 8rh, column 8j + 2(l%4) + e).
+// Two independent FMA chains per row (columns 2(l%4) and 2(l%4)+1), added at
+// the end in a fixed order.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void add_weighted_relu(const Acc& acc, const float* weights, int lane,
                                                   float (&partial)[2]) {
+  float even[2] = {0.f, 0.f}, odd[2] = {0.f, 0.f};
   CUTE_UNROLL
   for (int j = 0; j < Cfg::HT / 8; ++j) {
     const float2 w = *reinterpret_cast<const float2*>(weights + 8 * j + 2 * (lane % 4));
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      partial[rh] = fmaf(w.x, fmaxf(acc(4 * j + 2 * rh), 0.f), partial[rh]);
-      partial[rh] = fmaf(w.y, fmaxf(acc(4 * j + 2 * rh + 1), 0.f), partial[rh]);
+      even[rh] = fmaf(w.x, fmaxf(acc(4 * j + 2 * rh), 0.f), even[rh]);
+      odd[rh] = fmaf(w.y, fmaxf(acc(4 * j + 2 * rh + 1), 0.f), odd[rh]);
     }
   }
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) partial[rh] += even[rh] + odd[rh];
 }
 
 // The logits of one block of 64 slots: acc = K_block . Q_tile^T per head tile,
@@ -202,14 +218,28 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
   const int rh = lane % 4;
   const bool owner = rh < 2;
   const float* target_row = p.target + c.row * p.topk;
+  // The owned slot's index and target, loaded kSlotLookahead blocks ahead: a
+  // block's GEMM is far shorter than the load's round trip (the target row
+  // comes from HBM).
+  int32_t ahead_index[kSlotLookahead];
+  float ahead_target[kSlotLookahead];
+  auto load_slot = [&](int block, int32_t& index, float& target) {
+    const int t = block * kBlockTopk + 16 * warp + lane / 4 + 8 * (rh & 1);
+    index = owner ? c.slots.load(t) : -1;  // -1 past T
+    target = owner && t < p.topk ? __ldg(target_row + t) : 0.f;
+  };
+  CUTE_UNROLL
+  for (int a = 0; a < kSlotLookahead; ++a) load_slot(consumer + a * kNumConsumers, ahead_index[a], ahead_target[a]);
   RowState state;
   RingPos<Cfg::kStages> pos;
   const int num_blocks = c.slots.num_blocks();
   cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready, 0);
   for (int block = consumer; block < num_blocks; block += kNumConsumers) {
-    const int t = block * kBlockTopk + 16 * warp + lane / 4 + 8 * (rh & 1);
-    const int32_t index = owner ? c.slots.load(t) : -1;
-    const float target = owner && t < p.topk ? __ldg(target_row + t) : 0.f;
+    const int32_t index = ahead_index[0];
+    const float target = ahead_target[0];
+    CUTE_UNROLL
+    for (int a = 0; a + 1 < kSlotLookahead; ++a) ahead_index[a] = ahead_index[a + 1], ahead_target[a] = ahead_target[a + 1];
+    load_slot(block + kSlotLookahead * kNumConsumers, ahead_index[kSlotLookahead - 1], ahead_target[kSlotLookahead - 1]);
     float partial[2];
     block_logits<Cfg>(plan, mma, tA, tB, acc, c, consumer, pos, lane, partial);
     if (owner && c.slots.key_if_valid(index) >= 0) state.add(p.scale * (rh == 0 ? partial[0] : partial[1]), target);
@@ -223,8 +253,7 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
     float* out = plan.row_state[consumer_warp];
     out[0] = state.m, out[1] = state.l, out[2] = state.tau, out[3] = state.tx, out[4] = state.tlogt;
   }
-  // Named barrier 1 over the consumer warpgroups (the producer may have left).
-  asm volatile("bar.sync 1, %0;" ::"n"(kNumConsumers * kWarpgroupThreads) : "memory");
+  consumer_sync();
   if (consumer == 0 && thread_in_wg == 0) {
     RowState total;
     for (int w = 0; w < kConsumerWarps; ++w) {
@@ -259,11 +288,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     Cfg::Ring::init(plan.ring);
     cutlass::arch::fence_barrier_init();
   }
-  // The row's weights, zero past HI (those heads' zero-filled index_q give
-  // z = 0 anyway; a zero weight keeps them out whatever the padding holds).
-  const float* weights_row = params.weights + cta.row * params.h_idx;
-  for (int h = threadIdx.x; h < Cfg::kMaxHeads; h += kThreads)
-    plan.weights[h] = h < params.h_idx ? __ldg(weights_row + h) : 0.f;
   __syncthreads();
 
   if (warpgroup == kNumConsumers) {
@@ -274,9 +298,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     constexpr int kFeeders = Cfg::Ring::kFeeders;
     const int consumer = thread_in_wg / kFeeders;
     const bf16* keys = static_cast<const bf16*>(params.index_k) + int64_t(cta.batch) * params.s_kv * Cfg::DI;
-    gather_key_blocks<typename Cfg::Ring, Cfg::DI>(plan.k[consumer], plan.ring, cta.slots, keys, consumer,
-                                                   thread_in_wg % kFeeders);
+    gather_key_blocks<typename Cfg::Ring, Cfg::DI, kSlotLookahead>(plan.k[consumer], plan.ring, cta.slots, keys,
+                                                                   consumer, thread_in_wg % kFeeders);
   } else {
+    // The row's weights, zero past HI (those heads' zero-filled index_q give
+    // z = 0 anyway; a zero weight keeps them out whatever the padding holds).
+    // Loaded by the consumers alone, so that the producer starts at once.
+    const float* weights_row = params.weights + cta.row * params.h_idx;
+    for (int h = threadIdx.x; h < Cfg::kMaxHeads; h += kNumConsumers * kWarpgroupThreads)
+      plan.weights[h] = h < params.h_idx ? __ldg(weights_row + h) : 0.f;
+    consumer_sync();
     consume_blocks<Cfg>(plan, params, cta, warpgroup, thread_in_wg);
   }
 #elif defined(__CUDA_ARCH__)
