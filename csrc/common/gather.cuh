@@ -129,7 +129,8 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
     for (int a = 0; a + 1 < kLookahead; ++a)
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) ahead[a][r] = ahead[a + 1][r];
-    load_block_indices(block + kLookahead * Ring::kConsumers, ahead[kLookahead - 1]);
+    if (block + kLookahead * Ring::kConsumers < num_blocks)
+      load_block_indices(block + kLookahead * Ring::kConsumers, ahead[kLookahead - 1]);
     for (int dt = 0; dt < kDimTiles; ++dt) {
       cutlass::arch::ClusterBarrier::wait(&ring.empty[consumer][pos.stage], pos.phase ^ 1);
       bf16* stage = stages + pos.stage * Ring::kStageElems;

@@ -45,8 +45,12 @@ LaunchStatus launch_kernel(void (*kernel)(Params...), int64_t grid, int threads,
     *detail = "grid size out of range";
     return LaunchStatus::kInvalidProblem;
   }
-  // Per device, so set on every launch (host-side, no synchronisation).
+  // Per device, so set on every launch (host-side, no synchronisation). The
+  // carveout asks for all of L1 as shared memory: left to itself the driver
+  // may pick a split that fits one CTA of a kernel meant to run two per SM.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(unsigned(grid));
