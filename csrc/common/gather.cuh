@@ -108,6 +108,7 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
   // which is row0 % 8 for all of this thread's rows.
   static_assert(kRowStep % 8 == 0, "each feeder's rows must share row % 8");
   const int smem_chunk_elems = (chunk ^ (row0 % 8)) * 8;
+  const bf16* chunk_base = keys + chunk * 8;
   const int num_blocks = slots.num_blocks();
   RingPos<Ring::kStages> pos;
 
@@ -116,15 +117,27 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
   // return -1 without reading.)
   int32_t ahead[kLookahead][kRows];
   auto load_block_indices = [&](int block, int32_t (&into)[kRows]) {
+    // One base pointer per block; the rows are immediate offsets from it.
+    const int32_t* base = slots.indices + block * kBlockTopk + row0;
+    const int left = slots.topk - block * kBlockTopk - row0;  // this thread's slots left in the row
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) into[r] = slots.load(block * kBlockTopk + row0 + kRowStep * r);
+    for (int r = 0; r < kRows; ++r) into[r] = kRowStep * r < left ? __ldg(base + kRowStep * r) : -1;
   };
   CUTE_UNROLL
   for (int a = 0; a < kLookahead; ++a) load_block_indices(consumer + a * Ring::kConsumers, ahead[a]);
+  // With few rows a thread, each row's source pointer is formed once per block
+  // and the dim tiles add immediate offsets (the indexer: 4 rows, 2 tiles);
+  // with many, 64-bit pointers for every row would not fit the producer's
+  // registers (attn_dist: 8 rows, 9 tiles), so each tile forms its addresses.
+  constexpr bool kRowPointers = kRows <= 4;
   for (int block = consumer; block < num_blocks; block += Ring::kConsumers) {
     int32_t key[kRows];  // -1: zero-fill, read nothing
+    const bf16* row_src[kRowPointers ? kRows : 1];
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) key[r] = slots.key_if_valid(ahead[0][r]);
+    for (int r = 0; r < kRows; ++r) {
+      key[r] = slots.key_if_valid(ahead[0][r]);
+      if constexpr (kRowPointers) row_src[r] = chunk_base + uint64_t(uint32_t(key[r] >= 0 ? key[r] : 0)) * kDims;
+    }
     CUTE_UNROLL
     for (int a = 0; a + 1 < kLookahead; ++a)
       CUTE_UNROLL
@@ -138,7 +151,8 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         // 64-bit row offset: key * kDims passes 2^31 for N > 3.7M at D = 576.
-        const bf16* src = k_tile + int64_t(key[r] >= 0 ? key[r] : 0) * kDims;
+        const bf16* src = kRowPointers ? row_src[kRowPointers ? r : 0] + dt * kDimTile
+                                       : k_tile + int64_t(key[r] >= 0 ? key[r] : 0) * kDims;
         bf16* dst = stage + (row0 + kRowStep * r) * kDimTile + smem_chunk_elems;
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
             *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst), key[r] >= 0);

@@ -27,18 +27,18 @@
 namespace attn_dist {
 namespace indexer {
 
-// One consumer warpgroup and one producer warpgroup per CTA, two CTAs per SM
-// (__launch_bounds__(256, 2): 128 registers a thread, no setmaxnreg needed).
-// The SM's two consumers alternate between GEMM and epilogue as the two
-// consumers of one attn_dist CTA do; the gather needs about 470 cycles per
-// 64-slot block per SM at DI = 128, more than a consumer's 8 WGMMAs plus its
-// epilogue take.
+// One consumer warpgroup and one producer warpgroup per CTA, several CTAs per
+// SM: their consumers alternate between GEMM and epilogue, and their warps
+// hide each other's latencies. ncu on idx-v32 at two CTAs per SM (16 warps):
+// 2.1 instructions issued per cycle, the largest stalls on global loads and
+// fixed-latency dependencies. Three CTAs fit where the head tiles are one
+// (80 registers: __launch_bounds__(256, 3) allows 85; 75 KiB of shared memory).
 constexpr int kNumConsumers = 1;
 constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;  // + the producer
-constexpr int kCtasPerSm = 2;
-// Shared memory per SM is 228 KiB, of which each CTA's runtime reserve is 1 KiB.
-constexpr int kSmemBudget = (228 * 1024) / kCtasPerSm - 1024;
 constexpr int kConsumerWarps = kNumConsumers * 4;
+
+// Shared memory per SM is 228 KiB, of which each CTA's runtime reserve is 1 KiB.
+constexpr int smem_budget(int ctas_per_sm) { return (228 * 1024) / ctas_per_sm - 1024; }
 
 // Slot indices (producer and consumer) and targets (consumer) are loaded this
 // many blocks ahead: a block is a few hundred cycles of work, an L2 or HBM
@@ -68,6 +68,8 @@ struct Config {
   static constexpr int kQBytes = kMaxHeads * DI * int(sizeof(bf16));
   static constexpr int kQTileBytes = HT * kDimTile * int(sizeof(bf16));
 
+  static constexpr int kCtasPerSm = kMaxHeadTiles == 1 ? 3 : 2;
+  static constexpr int kSmemBudget = smem_budget(kCtasPerSm);
   static constexpr int kMiscBytes = 1024;  // barriers, weights' tail, the reduction scratch (rounded up)
   static constexpr int kStages =
       (kSmemBudget - kSmemAlign - kQBytes - kMaxHeads * 4 - kMiscBytes) / (kNumConsumers * 64 * kDimTile * 2);

@@ -115,8 +115,37 @@ __device__ __forceinline__ CtaProblem locate_cta(const IndexerFwdParams& p) {
 }
 
 // ---------------------------------------------------------------------------
-// Producer steps (WG2).
+// Producer steps (WG1).
 // ---------------------------------------------------------------------------
+
+// Asks L2 to fetch bytes [begin, end) of a `size`-byte global buffer (whole
+// 16-byte units inside it only): one bulk prefetch, no registers, no wait.
+__device__ __forceinline__ void prefetch_to_l2(const void* buffer, int64_t size, int64_t begin, int64_t end) {
+  begin = begin / 16 * 16;
+  end = min((end + 15) / 16 * 16, size / 16 * 16);
+  if (end > begin)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(buffer) + begin),
+                 "r"(uint32_t(end - begin))
+                 : "memory");
+}
+
+// The row's slot indices and targets: the producer reads the indices a few
+// blocks ahead, the consumer both; their first touch comes from HBM. Also the
+// indices of the row of the CTA that takes this one's place next (CTAs start
+// in order, `resident` at a time), so that its first blocks start from L2.
+__device__ __forceinline__ void prefetch_row(const IndexerFwdParams& p, const CtaProblem& c, int resident) {
+  const int64_t row_bytes = int64_t(p.topk) * 4;
+  const int64_t size = int64_t(p.batch) * p.s_q * row_bytes;
+  prefetch_to_l2(p.indices, size, c.row * row_bytes, (c.row + 1) * row_bytes);
+  prefetch_to_l2(p.target, size, c.row * row_bytes, (c.row + 1) * row_bytes);
+  prefetch_to_l2(p.indices, size, (c.row + resident) * row_bytes, (c.row + resident + 1) * row_bytes);
+}
+
+__device__ __forceinline__ int num_sms() {
+  uint32_t n;
+  asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+  return int(n);
+}
 template <class Cfg>
 __device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
                                               const CtaProblem& c) {
@@ -131,21 +160,35 @@ __device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& pl
 }
 
 // ---------------------------------------------------------------------------
-// Consumer steps (WG0, WG1).
+// Consumer steps (WG0).
 // ---------------------------------------------------------------------------
 
 // sum over this thread's accumulator columns of weights[col] * relu(z), for
 // its two rows (WGMMA 64xN f32 layout: acc(4j + 2*rh + e) is row
 // 16w + l/4 + 8rh, column 8j + 2(l%4) + e).
+// A thread's weights for one head tile: columns 8j + 2(l%4) and 8j + 2(l%4) + 1.
+template <class Cfg>
+struct TileWeights {
+  float2 w[Cfg::HT / 8];
+
+  __device__ __forceinline__ void load(const float* tile_weights, int lane) {  // from shared memory
+    CUTE_UNROLL
+    for (int j = 0; j < Cfg::HT / 8; ++j) {
+      const uint32_t addr = uint32_t(__cvta_generic_to_shared(tile_weights + 8 * j + 2 * (lane % 4)));
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(w[j].x), "=f"(w[j].y) : "r"(addr));
+    }
+  }
+};
+
 // Two independent FMA chains per row (columns 2(l%4) and 2(l%4)+1), added at
 // the end in a fixed order.
 template <class Cfg, class Acc>
-__device__ __forceinline__ void add_weighted_relu(const Acc& acc, const float* weights, int lane,
+__device__ __forceinline__ void add_weighted_relu(const Acc& acc, const TileWeights<Cfg>& weights,
                                                   float (&partial)[2]) {
   float even[2] = {0.f, 0.f}, odd[2] = {0.f, 0.f};
   CUTE_UNROLL
   for (int j = 0; j < Cfg::HT / 8; ++j) {
-    const float2 w = *reinterpret_cast<const float2*>(weights + 8 * j + 2 * (lane % 4));
+    const float2 w = weights.w[j];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       even[rh] = fmaf(w.x, fmaxf(acc(4 * j + 2 * rh), 0.f), even[rh]);
@@ -162,7 +205,8 @@ __device__ __forceinline__ void add_weighted_relu(const Acc& acc, const float* w
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
                                              const FragB& tB, Acc& acc, const CtaProblem& c, int consumer,
-                                             RingPos<Cfg::kStages>& pos, int lane, float (&partial)[2]) {
+                                             RingPos<Cfg::kStages>& pos, int lane,
+                                             const TileWeights<Cfg>& first_tile_weights, float (&partial)[2]) {
   using Ring = typename Cfg::Ring;
   int stage[Cfg::kDimTiles];
   CUTE_UNROLL
@@ -188,7 +232,13 @@ __device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& pla
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    add_weighted_relu<Cfg>(acc, plan.weights + ht * Cfg::HT, lane, partial);
+    if constexpr (Cfg::kMaxHeadTiles == 1) {
+      add_weighted_relu<Cfg>(acc, first_tile_weights, partial);  // loop-invariant: kept in registers
+    } else {
+      TileWeights<Cfg> weights;
+      weights.load(plan.weights + ht * Cfg::HT, lane);
+      add_weighted_relu<Cfg>(acc, weights, partial);
+    }
   }
   CUTE_UNROLL
   for (int dt = 0; dt < Cfg::kDimTiles; ++dt) release_stage<Ring>(plan.ring, consumer, stage[dt], lane);
@@ -230,6 +280,8 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
   };
   CUTE_UNROLL
   for (int a = 0; a < kSlotLookahead; ++a) load_slot(consumer + a * kNumConsumers, ahead_index[a], ahead_target[a]);
+  TileWeights<Cfg> first_tile_weights;
+  if constexpr (Cfg::kMaxHeadTiles == 1) first_tile_weights.load(plan.weights, lane);
   RowState state;
   RingPos<Cfg::kStages> pos;
   const int num_blocks = c.slots.num_blocks();
@@ -241,7 +293,7 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
     for (int a = 0; a + 1 < kSlotLookahead; ++a) ahead_index[a] = ahead_index[a + 1], ahead_target[a] = ahead_target[a + 1];
     load_slot(block + kSlotLookahead * kNumConsumers, ahead_index[kSlotLookahead - 1], ahead_target[kSlotLookahead - 1]);
     float partial[2];
-    block_logits<Cfg>(plan, mma, tA, tB, acc, c, consumer, pos, lane, partial);
+    block_logits<Cfg>(plan, mma, tA, tB, acc, c, consumer, pos, lane, first_tile_weights, partial);
     if (owner && c.slots.key_if_valid(index) >= 0) state.add(p.scale * (rh == 0 ? partial[0] : partial[1]), target);
   }
   // Combine: the warp's 32 lanes by a fixed butterfly, then the consumer
@@ -272,7 +324,7 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
 // The kernel.
 // ---------------------------------------------------------------------------
 template <class Cfg>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+__global__ void __launch_bounds__(kThreads, Cfg::kCtasPerSm)
     indexer_fwd_kernel(const __grid_constant__ IndexerFwdParams params, const __grid_constant__ TmaParams tma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Plan = typename Cfg::SharedMemoryPlan;
@@ -292,6 +344,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   if (warpgroup == kNumConsumers) {
     if (thread_in_wg == 0) {
+      prefetch_row(params, cta, num_sms() * Cfg::kCtasPerSm);
       cute::prefetch_tma_descriptor(&tma.q);
       load_q_by_tma<Cfg>(plan, tma, cta);
     }
