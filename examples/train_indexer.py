@@ -1,4 +1,4 @@
-"""Train a DSA lightning indexer against attn_dist's target (DeepSeek-V3.2).
+"""Train a DSA lightning indexer with jax_attn_dist.indexer_loss (DeepSeek-V3.2).
 
 The lightning indexer scores every (query t, key s) pair cheaply,
 
@@ -6,11 +6,11 @@ The lightning indexer scores every (query t, key s) pair cheaply,
 
 and the sparse attention attends to each query's top-k keys by I. The indexer
 is trained with a KL loss towards the main attention's distribution on those
-selected keys: the target is ``attn_dist`` summed over head groups (the
-probability mass of all heads), L1-normalised over the top-k slots and wrapped
-in ``jax.lax.stop_gradient`` (the main model is not trained by this loss):
-
-    loss = mean_t KL(target[t, :] || softmax(I[t, selected(t)]))
+selected keys (docs/SPEC.md §5): ``indexer_loss`` forms the target from
+``attn_dist`` (the probability mass of all heads on each selected key,
+L1-normalised, under ``stop_gradient``: the main model is not trained by this
+loss) and returns the per-row ``KL(target || softmax(I over the selection))``;
+its gradients reach the indexer's q, k and weights.
 
 Here a toy model stands in for the main network: per layer, frozen random
 projections make the MLA-form q [B, S, H, D] and k [B, S, 1, D] from the
@@ -23,8 +23,9 @@ target depends on no trained parameter, so the backward pass never reruns
 attn_dist (its output is a residual of the forward scan).
 
 On a CPU it runs a tiny problem in seconds. On a GPU with the compiled
-extension, the main attention is bf16 with D = 576 and HK = 1, so attn_dist
-runs the CUDA kernel.
+extension the main attention is bf16 with D = 576 and HK = 1 and the indexer
+bf16 with DI = 64, so both attn_dist and the indexer loss's forward run
+their CUDA kernels.
 
     python examples/train_indexer.py [--steps 20] [--size small|gpu]
 """
@@ -106,31 +107,23 @@ def layer_loss(p, f, x, cfg: Config):
 
     # top-k selection by the indexer (causal: key s <= query t); -1 pads rows
     # that see fewer than T keys, as a top-k selector would
-    scores = indexer_scores(p, x, cfg)
+    scores = indexer_scores(jax.lax.stop_gradient(p), x, cfg)
     causal = jnp.arange(S)[None, :, None] >= jnp.arange(S)[None, None, :]
-    top, idx = jax.lax.top_k(jnp.where(causal, jax.lax.stop_gradient(scores), -jnp.inf), T)
-    valid = jnp.isfinite(top)
-    idx = jnp.where(valid, idx, -1).astype(jnp.int32)  # [B, S, T]
+    top, idx = jax.lax.top_k(jnp.where(causal, scores, -jnp.inf), T)
+    idx = jnp.where(jnp.isfinite(top), idx, -1).astype(jnp.int32)[:, :, None, :]  # [B, S, 1, T]
 
     # the main attention (frozen) and its sparse forward's LSE over the selection
     q = (x @ f["wq"]).reshape(B, S, cfg.heads, cfg.head_dim).astype(dt)
     k = (x @ f["wk"]).reshape(B, S, 1, cfg.head_dim).astype(dt)
     q_start = jnp.zeros((B,), jnp.int32)
-    lse = exact_lse_canonical(q, k, idx[:, :, None, :], q_start, sm_scale=cfg.sm_scale, causal=True,
-                              k_stride=1, lse_base="e")
+    lse = exact_lse_canonical(q, k, idx, q_start, sm_scale=cfg.sm_scale, causal=True, k_stride=1, lse_base="e")
 
-    # the target: attention mass of all heads on each selected key, L1-normalised
-    dist = jax_attn_dist.attn_dist(q, k, idx[:, :, None, :], lse, sm_scale=cfg.sm_scale, causal=True,
-                                   q_start_index=0, lse_base="e")  # [B, G, S, T]
-    target = dist.sum(axis=1)
-    target = target / jnp.maximum(target.sum(axis=-1, keepdims=True), 1e-20)
-    target = jax.lax.stop_gradient(target)
-
-    # KL(target || softmax(indexer logits on the selection))
-    logits = jnp.take_along_axis(scores, jnp.maximum(idx, 0), axis=-1)
-    log_q = jax.nn.log_softmax(jnp.where(valid, logits, -1e30), axis=-1)
-    t_log_t = jnp.where(target > 0, target * jnp.log(jnp.where(target > 0, target, 1.0)), 0.0)
-    kl = jnp.sum(t_log_t - jnp.where(valid, target * log_q, 0.0), axis=-1)  # [B, S]
+    # the indexer's inputs (trained), and the loss: KL(attn_dist target || softmax(indexer logits))
+    index_q = (x @ p["wq_idx"]).reshape(B, S, cfg.idx_heads, cfg.idx_dim).astype(dt)
+    index_k = (x @ p["wk_idx"]).astype(dt)
+    weights = (x @ p["w_idx"]) * (cfg.idx_heads * cfg.idx_dim) ** -0.5
+    kl = jax_attn_dist.indexer_loss(q, k, lse, index_q, index_k, weights, idx, sm_scale=cfg.sm_scale,
+                                    lse_base="e", causal=True)  # [B, S]
 
     x_next = x + jnp.tanh(x @ f["wmix"])
     return kl.mean(), x_next
@@ -160,12 +153,22 @@ def make_train_step(cfg: Config, optimizer):
     return train_step
 
 
+def kernel_paths(cfg: Config):
+    """Which of (attn_dist, indexer_kl forward) run a CUDA kernel for this config."""
+    B, S, T, dt = cfg.batch, cfg.seq, cfg.topk, jnp.dtype(cfg.dtype)
+    spec = lambda *shape, dtype=dt: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    idx = spec(B, S, 1, T, dtype=jnp.int32)
+    attn = jax_attn_dist.kernel_supports(jax_attn_dist._contract.check_problem(
+        spec(B, S, cfg.heads, cfg.head_dim), spec(B, S, 1, cfg.head_dim), idx, spec(B, S, cfg.heads, dtype=jnp.float32)))
+    indexer = jax_attn_dist.indexer_kernel_supports(jax_attn_dist._contract.check_indexer_problem(
+        spec(B, S, cfg.idx_heads, cfg.idx_dim), spec(B, S, cfg.idx_dim), spec(B, S, cfg.idx_heads, dtype=jnp.float32),
+        idx, spec(B, S, T, dtype=jnp.float32)))
+    on_gpu = jax.default_backend() == "gpu" and jax_attn_dist.kernel_available()
+    return on_gpu and attn[0], on_gpu and indexer[0]
+
+
 def uses_kernel(cfg: Config) -> bool:
-    problem = jax_attn_dist._contract.Problem(
-        batched=True, B=cfg.batch, S=cfg.seq, H=cfg.heads, D=cfg.head_dim, N=cfg.seq, HK=1, T=cfg.topk,
-        dtype=jnp.dtype(cfg.dtype))
-    return (jax.default_backend() == "gpu" and jax_attn_dist.kernel_available()
-            and jax_attn_dist.kernel_supports(problem)[0])
+    return all(kernel_paths(cfg))
 
 
 def train(cfg: Config = SMALL, steps: int = 10, seed: int = 0, log=None):
@@ -196,7 +199,9 @@ def main(argv=None):
     size = args.size or ("gpu" if uses_kernel(GPU) else "small")
     cfg = GPU if size == "gpu" else SMALL
     print(f"backend {jax.default_backend()}, size {size}: {cfg}")
-    print(f"attn_dist path: {'CUDA kernel' if uses_kernel(cfg) else 'jnp reference (XLA)'}")
+    attn, indexer = kernel_paths(cfg)
+    name = lambda kernel: "CUDA kernel" if kernel else "jnp (XLA)"  # noqa: E731
+    print(f"attn_dist: {name(attn)}; indexer_kl forward: {name(indexer)}, backward: jnp (XLA)")
     losses = train(cfg, args.steps, args.seed, log=print)
     print(f"loss {losses[0]:.5f} -> {losses[-1]:.5f}")
     return losses

@@ -87,7 +87,7 @@ def _slabs(S: int):
 
 
 def _oracle_check(problem, indexer, out, kl, scale):
-    """(attn_dist SPEC §3 errors, indexer_kl SPEC §5.5 error, ok) on the slabs."""
+    """(attn_dist SPEC §3 errors, indexer_kl SPEC §3.2 error, ok) on the slabs."""
     batched = problem.batched
     add_b = (lambda x: np.asarray(x)) if batched else (lambda x: np.asarray(x)[None])
     q, k, idx, lse = (add_b(x) for x in problem.arrays)

@@ -104,6 +104,30 @@ def _check_array(name: str, x: Any, who: str = "attn_dist") -> None:
         )
 
 
+def _check_operand_dtypes(who: str, name: str, x: Any, partner_name: str, partner: Any):
+    """``x`` bfloat16 (or float16/float32 for the jnp path), ``partner`` the same; returns the dtype."""
+    dt = jnp.dtype(x.dtype)
+    if dt not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{who}: `{name}` must have dtype bfloat16 (float16/float32 accepted on the XLA path), "
+            f"got {_dtype_name(dt)}"
+        )
+    if jnp.dtype(partner.dtype) != dt:
+        raise TypeError(
+            f"{who}: `{partner_name}` must have the dtype of `{name}` ({_dtype_name(dt)}), got "
+            f"{_dtype_name(partner.dtype)}"
+        )
+    return dt
+
+
+def _check_indices_dtype(who: str, indices: Any) -> None:
+    if jnp.dtype(indices.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(
+            f"{who}: `indices` must have dtype int32, got {_dtype_name(indices.dtype)} "
+            "(use indices.astype(jnp.int32))"
+        )
+
+
 # ----------------------------------------------------------------------------
 # static parameters
 # ----------------------------------------------------------------------------
@@ -238,22 +262,8 @@ def check_problem(q, k, indices, lse, who: str = "attn_dist") -> Problem:
             )
 
     # dtypes
-    qdt = jnp.dtype(q.dtype)
-    if qdt not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{who}: `q` must have dtype bfloat16 (float16/float32 accepted on "
-            f"the XLA path), got {_dtype_name(qdt)}"
-        )
-    if jnp.dtype(k.dtype) != qdt:
-        raise TypeError(
-            f"{who}: `k` must have the dtype of `q` ({_dtype_name(qdt)}), got "
-            f"{_dtype_name(k.dtype)}"
-        )
-    if jnp.dtype(indices.dtype) != jnp.dtype(jnp.int32):
-        raise TypeError(
-            f"{who}: `indices` must have dtype int32, got "
-            f"{_dtype_name(indices.dtype)} (use indices.astype(jnp.int32))"
-        )
+    qdt = _check_operand_dtypes(who, "q", q, "k", k)
+    _check_indices_dtype(who, indices)
     if jnp.dtype(lse.dtype) != jnp.dtype(jnp.float32):
         raise TypeError(
             f"{who}: `lse` must have dtype float32, got {_dtype_name(lse.dtype)}"
@@ -482,25 +492,11 @@ def check_indexer_problem(index_q, index_k, weights, indices, target, who: str =
                 f"(shape {_fmt(index_q.shape)}), got rank {x.ndim} with shape {_fmt(x.shape)}"
             )
 
-    qdt = jnp.dtype(index_q.dtype)
-    if qdt not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{who}: `index_q` must have dtype bfloat16 (float16/float32 accepted on the XLA path), "
-            f"got {_dtype_name(qdt)}"
-        )
-    if jnp.dtype(index_k.dtype) != qdt:
-        raise TypeError(
-            f"{who}: `index_k` must have the dtype of `index_q` ({_dtype_name(qdt)}), got "
-            f"{_dtype_name(index_k.dtype)}"
-        )
+    qdt = _check_operand_dtypes(who, "index_q", index_q, "index_k", index_k)
     wdt = jnp.dtype(weights.dtype)
     if wdt not in INDEXER_WEIGHT_DTYPES:
         raise TypeError(f"{who}: `weights` must have dtype float32 or bfloat16, got {_dtype_name(wdt)}")
-    if jnp.dtype(indices.dtype) != jnp.dtype(jnp.int32):
-        raise TypeError(
-            f"{who}: `indices` must have dtype int32, got {_dtype_name(indices.dtype)} "
-            "(use indices.astype(jnp.int32))"
-        )
+    _check_indices_dtype(who, indices)
     if jnp.dtype(target.dtype) != jnp.dtype(jnp.float32):
         raise TypeError(f"{who}: `target` must have dtype float32, got {_dtype_name(target.dtype)}")
 

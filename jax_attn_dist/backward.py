@@ -1,5 +1,5 @@
 """The jnp backward passes: the executable form of the gradient formulas of
-SPEC §2.4 (``attn_dist``) and SPEC §5.3 (``indexer_kl``).
+SPEC §2.6 (``attn_dist``) and SPEC §5.3 (``indexer_kl``).
 
 Both recompute what they need from the inputs (no ``[B, S, H, T]`` residual),
 chunked over the B*S query rows like the references (temporaries bounded

@@ -133,7 +133,7 @@ def spec_errors(out, ref):
 
 #: SPEC §3: attn_dist against this oracle.
 ATTN_DIST_TOLERANCE = 1e-4
-#: SPEC §5.5: indexer_kl against this oracle, max |out - ref| <= tol * max(1, max |ref|).
+#: SPEC §3.2: indexer_kl against this oracle, max |out - ref| <= tol * max(1, max |ref|).
 INDEXER_TOLERANCE = 2e-4
 
 
@@ -145,7 +145,7 @@ def assert_within_spec(out, ref, tol=ATTN_DIST_TOLERANCE):
 
 
 def indexer_error(out, ref) -> float:
-    """max |out - ref| / max(1, max |ref|) (SPEC §5.5)."""
+    """max |out - ref| / max(1, max |ref|) (SPEC §3.2)."""
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)
     if out.size == 0:
@@ -154,7 +154,7 @@ def indexer_error(out, ref) -> float:
 
 
 def assert_indexer_close(out, ref, tol=INDEXER_TOLERANCE):
-    """SPEC §5.5: max |out - ref| <= tol * max(1, max |ref|), everything finite."""
+    """SPEC §3.2: max |out - ref| <= tol * max(1, max |ref|), everything finite."""
     assert np.all(np.isfinite(np.asarray(out))), "output has non-finite values"
     err = indexer_error(out, ref)
     assert err <= tol, f"max-abs error / max(1, max|ref|) = {err:.3e} (tol {tol:g})"

@@ -168,27 +168,6 @@ def invariant_error(out, lse) -> float:
     return float((np.abs(out.sum(axis=-1) - expected) / n).max())
 
 
-def compare(out, ref):
-    """(relative Frobenius error, max abs error, max |ref|) in float64."""
-    out = np.asarray(out, np.float64)
-    ref = np.asarray(ref, np.float64)
-    diff = out - ref
-    ref_norm = np.linalg.norm(ref)
-    rel = float(np.linalg.norm(diff) / ref_norm) if ref_norm > 0 else float(np.linalg.norm(diff))
-    max_abs = float(np.abs(diff).max()) if diff.size else 0.0
-    max_ref = float(np.abs(ref).max()) if ref.size else 0.0
-    return rel, max_abs, max_ref
-
-
-SPEC_TOLERANCE = 1e-4  # SPEC §3
-
-
-def within_spec(out, ref, tol: float = SPEC_TOLERANCE) -> bool:
-    """SPEC §3: ||out-ref||/||ref|| <= tol and max|out-ref| <= tol * max|ref|."""
-    rel, max_abs, max_ref = compare(out, ref)
-    return rel <= tol and max_abs <= tol * max_ref
-
-
 # ----------------------------------------------------------------------------
 # the lightning indexer (SPEC §5)
 # ----------------------------------------------------------------------------

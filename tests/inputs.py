@@ -85,3 +85,30 @@ def make_indexer_inputs(
     target = jnp.asarray(target.astype(np.float32))
     kwargs = dict(scale=scale, causal=causal, q_start_index=q_start_index, k_stride=k_stride)
     return index_q, index_k, weights, indices, target, kwargs
+
+
+def sweep_q_start_and_indices(rng, *, B, S, T, N, k_stride, causal, per_batch_q_start, invalid_fraction):
+    """(q_start [B] int32, indices [B, S, 1, T] int32) for the kernel sweeps.
+
+    Valid slots are uniform over each row's visible keys, with replacement
+    (duplicates); a fraction ``invalid_fraction`` of the slots (and every slot
+    of a row that sees no key) hold every kind of bad index: INT32_MIN, -1,
+    -7, N, N + 1, INT32_MAX, INT32_MAX - 5 and, when causal, keys that exist
+    but are not visible yet."""
+    if per_batch_q_start:
+        q_start = rng.integers(-3, N * k_stride, (B,)).astype(np.int32)
+    else:
+        q_start = np.full((B,), rng.integers(-3, N * k_stride), np.int32)
+    s = np.arange(S)
+    limit = (q_start[:, None].astype(np.int64) + s[None] + 1 - k_stride) // k_stride  # [B, S], floor
+    visible = np.minimum(limit, N - 1) if causal else np.full((B, S), N - 1)
+    u = rng.random((B, S, 1, T))
+    idx = np.floor(u * (np.maximum(visible, 0)[:, :, None, None] + 1)).astype(np.int64)
+    bad_pool = np.array([INT32_MIN, -1, -7, N, N + 1, INT32_MAX, INT32_MAX - 5], np.int64)
+    bad = bad_pool[rng.integers(0, len(bad_pool), idx.shape)]
+    if causal:
+        future = np.clip(limit[:, :, None, None] + 1 + rng.integers(0, 5, idx.shape), 0, N - 1)
+        bad = np.where((rng.random(idx.shape) < 0.3) & (future > limit[:, :, None, None]), future, bad)
+    make_bad = rng.random(idx.shape) < invalid_fraction
+    make_bad |= (visible < 0)[:, :, None, None]  # nothing visible: every slot invalid
+    return q_start, np.where(make_bad, bad, idx).astype(np.int32)

@@ -19,13 +19,13 @@ import numpy as np
 
 import jax_attn_dist
 from jax_attn_dist import _contract, oracle
+from inputs import INT32_MAX, INT32_MIN, sweep_q_start_and_indices  # noqa: F401  (re-exported)
 
 try:
     jax_attn_dist.kernel_available()  # registers the FFI targets, the test-only one included
 except RuntimeError:
     pass  # an extension problem under JAX_ATTN_DIST_REQUIRE_GPU: conftest's gpu marker reports it per test
 
-INT32_MIN, INT32_MAX = _contract.INT32_MIN, _contract.INT32_MAX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,26 +60,9 @@ def make_case_inputs(case: Case):
     sm_scale = float(D**-0.5 * rng.uniform(0.5, 2.0))
     q = rng.standard_normal((B, S, H, D)).astype(np.float32).astype(jnp.bfloat16)
     k = rng.standard_normal((B, N, 1, D)).astype(np.float32).astype(jnp.bfloat16)
-    if case.per_batch_q_start:
-        q_start = rng.integers(-3, N * ks, (B,)).astype(np.int32)
-    else:
-        q_start = np.full((B,), rng.integers(-3, N * ks), np.int32)
-
-    # Valid slots: uniform over the visible keys, with replacement (duplicates).
-    s = np.arange(S)
-    limit = (q_start[:, None].astype(np.int64) + s[None] + 1 - ks) // ks  # [B, S], floor
-    visible = np.minimum(limit, N - 1) if case.causal else np.full((B, S), N - 1)
-    u = rng.random((B, S, 1, T))
-    idx = np.floor(u * (np.maximum(visible, 0)[:, :, None, None] + 1)).astype(np.int64)
-    # Invalid slots: every kind of bad index.
-    bad_pool = np.array([INT32_MIN, -1, -7, N, N + 1, INT32_MAX, INT32_MAX - 5], np.int64)
-    bad = bad_pool[rng.integers(0, len(bad_pool), idx.shape)]
-    if case.causal:  # also keys that exist but are not visible yet
-        future = np.clip(limit[:, :, None, None] + 1 + rng.integers(0, 5, idx.shape), 0, N - 1)
-        bad = np.where((rng.random(idx.shape) < 0.3) & (future > limit[:, :, None, None]), future, bad)
-    make_bad = rng.random(idx.shape) < case.invalid_fraction
-    make_bad |= (visible < 0)[:, :, None, None]  # nothing visible: every slot invalid
-    indices = np.where(make_bad, bad, idx).astype(np.int32)
+    q_start, indices = sweep_q_start_and_indices(
+        rng, B=B, S=S, T=T, N=N, k_stride=ks, causal=case.causal, per_batch_q_start=case.per_batch_q_start,
+        invalid_fraction=case.invalid_fraction)
 
     kwargs = dict(sm_scale=sm_scale, causal=case.causal, q_start_index=q_start, k_stride=ks,
                   lse_base=case.lse_base)

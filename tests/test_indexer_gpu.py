@@ -1,5 +1,5 @@
 """The SM90 indexer_kl forward kernel on the GPU, against the float64 oracle
-(SPEC §5.5), with poisoned outputs; the public API's kernel path, its
+(SPEC §3.2), with poisoned outputs; the public API's kernel path, its
 gradients, indexer_loss on both kernels, determinism and the FFI handler's
 own errors. GPU only (see conftest.py)."""
 

@@ -59,11 +59,7 @@ struct Config {
       (kMaxDynamicSmem - kSmemAlign - kQBytes - kBarrierBytes) / (kNumConsumers * 64 * kDimTile * 2);
   using Ring = GatherRing<kStages, kNumConsumers>;
 
-  // One warpgroup, 64 x HT x 16 per instruction, both operands from shared memory.
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
-                                       cute::Shape<cute::Int<kBlockTopk>, cute::Int<HT>, cute::Int<kDimTile>>,
-                                       cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+  using TiledMma = KeyBlockMma<HT>;
 
   struct SharedMemoryPlan {
     alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];

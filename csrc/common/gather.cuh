@@ -13,6 +13,7 @@
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/atom/mma_atom.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/bfloat16.h>
 
@@ -64,6 +65,15 @@ struct GatherRing {
       }
   }
 };
+
+// The WGMMA both kernels run on a ring stage: acc[key, head] (+)= K[key, d] .
+// Q[head, d], one warpgroup, 64 keys x HT heads x 16 dims per instruction,
+// both operands from shared memory (K-major).
+template <int HT>
+using KeyBlockMma = decltype(cute::make_tiled_mma(
+    cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
+                                     cute::Shape<cute::Int<kBlockTopk>, cute::Int<HT>, cute::Int<kDimTile>>,
+                                     cute::GMMA::Major::K, cute::GMMA::Major::K>()));
 
 // Ring position of a consumer's n-th stage use.
 template <int kStages>

@@ -8,10 +8,11 @@
 // quad shuffles, in a fixed order. HI > HT runs several head tiles over the
 // same resident key stages.
 //
-// Two CTAs share an SM (at most half the shared memory each): one CTA's
-// pipeline fill and final reduction overlap the other's streaming. A row gathers T * DI * 2 bytes (512 KiB at T = 2048,
-// DI = 128), a few microseconds per CTA, so that fill would otherwise cost a
-// large share of the time.
+// Several CTAs share an SM (three where the heads fit one tile, else two;
+// each within its share of the shared memory): one CTA's pipeline fill and
+// final reduction overlap the others' streaming. A row gathers T * DI * 2
+// bytes (512 KiB at T = 2048, DI = 128), a few microseconds per CTA, so that
+// fill would otherwise cost a large share of the time.
 #pragma once
 
 #include <cstdint>
@@ -76,11 +77,7 @@ struct Config {
   static_assert(kStages >= kDimTiles, "a block's dim tiles must fit in a ring at once");
   using Ring = GatherRing<kStages, kNumConsumers>;
 
-  // One warpgroup, 64 x HT x 16 per instruction, both operands from shared memory.
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
-                                       cute::Shape<cute::Int<kBlockTopk>, cute::Int<HT>, cute::Int<kDimTile>>,
-                                       cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+  using TiledMma = KeyBlockMma<HT>;
 
   struct SharedMemoryPlan {
     alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
