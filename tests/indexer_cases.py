@@ -16,14 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_attn_dist
-from inputs import sweep_q_start_and_indices
+from inputs import register_kernels, sweep_q_start_and_indices
 from jax_attn_dist import _contract, oracle
 
-try:
-    jax_attn_dist.kernel_available()  # registers the FFI targets, the test-only one included
-except RuntimeError:
-    pass  # an extension problem under JAX_ATTN_DIST_REQUIRE_GPU: conftest's gpu marker reports it per test
+register_kernels()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,14 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_attn_dist
 from jax_attn_dist import _contract, oracle
-from inputs import INT32_MAX, INT32_MIN, sweep_q_start_and_indices  # noqa: F401  (re-exported)
+from inputs import register_kernels, sweep_q_start_and_indices
 
-try:
-    jax_attn_dist.kernel_available()  # registers the FFI targets, the test-only one included
-except RuntimeError:
-    pass  # an extension problem under JAX_ATTN_DIST_REQUIRE_GPU: conftest's gpu marker reports it per test
+register_kernels()
 
 
 
