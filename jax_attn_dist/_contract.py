@@ -104,6 +104,31 @@ def _check_array(name: str, x: Any, who: str = "attn_dist") -> None:
         )
 
 
+def _check_ranks(who: str, name: str, x: Any, dims: str, others):
+    """The rows operand ``x`` has rank 3 ``[dims]`` or 4 ``[B, dims]``; each
+    ``(name, array, dims, unbatched rank)`` of ``others`` must agree. Returns
+    ``(batched, B, x's other sizes, "B, " or "")``."""
+    if x.ndim not in (3, 4):
+        raise ValueError(
+            f"{who}: `{name}` must have rank 3 [{dims}] or rank 4 [B, {dims}], "
+            f"got rank {x.ndim} with shape {_fmt(x.shape)}"
+        )
+    batched = x.ndim == 4
+    lead = "B, " if batched else ""
+    shape = tuple(int(d) for d in x.shape)
+    B, sizes = (shape[0], shape[1:]) if batched else (1, shape)
+    form = "batched" if batched else "unbatched"
+    for other, y, other_dims, rank in others:
+        want = rank + int(batched)
+        if y.ndim != want:
+            raise ValueError(
+                f"{who}: `{other}` must have rank {want} [{lead}{other_dims}] because `{name}` "
+                f"is {form} (shape {_fmt(x.shape)}), got rank {y.ndim} with shape "
+                f"{_fmt(y.shape)}"
+            )
+    return batched, B, sizes, lead
+
+
 def _check_operand_dtypes(who: str, name: str, x: Any, partner_name: str, partner: Any):
     """``x`` bfloat16 (or float16/float32 for the jnp path), ``partner`` the same; returns the dtype."""
     dt = jnp.dtype(x.dtype)
@@ -233,33 +258,8 @@ def check_problem(q, k, indices, lse, who: str = "attn_dist") -> Problem:
     for name, x in (("q", q), ("k", k), ("indices", indices), ("lse", lse)):
         _check_array(name, x, who)
 
-    if q.ndim not in (3, 4):
-        raise ValueError(
-            f"{who}: `q` must have rank 3 [S, H, D] or rank 4 [B, S, H, D], "
-            f"got rank {q.ndim} with shape {_fmt(q.shape)}"
-        )
-    batched = q.ndim == 4
-    lead = "B, " if batched else ""
-    if batched:
-        B, S, H, D = (int(d) for d in q.shape)
-    else:
-        B = 1
-        S, H, D = (int(d) for d in q.shape)
-
-    want_rank = 4 if batched else 3
-    for name, x, names in (
-        ("k", k, "N, HK, D"),
-        ("indices", indices, "S, HK, T"),
-        ("lse", lse, "S, H"),
-    ):
-        r = want_rank - 1 if name == "lse" else want_rank
-        if x.ndim != r:
-            form = "batched" if batched else "unbatched"
-            raise ValueError(
-                f"{who}: `{name}` must have rank {r} [{lead}{names}] because `q` "
-                f"is {form} (shape {_fmt(q.shape)}), got rank {x.ndim} with shape "
-                f"{_fmt(x.shape)}"
-            )
+    batched, B, (S, H, D), lead = _check_ranks(
+        who, "q", q, "S, H, D", [("k", k, "N, HK, D", 3), ("indices", indices, "S, HK, T", 3), ("lse", lse, "S, H", 2)])
 
     # dtypes
     qdt = _check_operand_dtypes(who, "q", q, "k", k)
@@ -466,31 +466,10 @@ def check_indexer_problem(index_q, index_k, weights, indices, target, who: str =
     for name, x in (("index_q", index_q), ("index_k", index_k), ("weights", weights),
                     ("indices", indices), ("target", target)):
         _check_array(name, x, who)
-    if index_q.ndim not in (3, 4):
-        raise ValueError(
-            f"{who}: `index_q` must have rank 3 [S, HI, DI] or rank 4 [B, S, HI, DI], got rank "
-            f"{index_q.ndim} with shape {_fmt(index_q.shape)}"
-        )
-    batched = index_q.ndim == 4
-    lead = "B, " if batched else ""
-    if batched:
-        B, S, HI, DI = (int(d) for d in index_q.shape)
-    else:
-        B = 1
-        S, HI, DI = (int(d) for d in index_q.shape)
-    form = "batched" if batched else "unbatched"
-    for name, x, names, r in (
-        ("index_k", index_k, "N, DI", 2),
-        ("weights", weights, "S, HI", 2),
-        ("indices", indices, "S, 1, T", 3),
-        ("target", target, "S, T", 2),
-    ):
-        want = r + int(batched)
-        if x.ndim != want:
-            raise ValueError(
-                f"{who}: `{name}` must have rank {want} [{lead}{names}] because `index_q` is {form} "
-                f"(shape {_fmt(index_q.shape)}), got rank {x.ndim} with shape {_fmt(x.shape)}"
-            )
+    batched, B, (S, HI, DI), lead = _check_ranks(
+        who, "index_q", index_q, "S, HI, DI",
+        [("index_k", index_k, "N, DI", 2), ("weights", weights, "S, HI", 2), ("indices", indices, "S, 1, T", 3),
+         ("target", target, "S, T", 2)])
 
     qdt = _check_operand_dtypes(who, "index_q", index_q, "index_k", index_k)
     wdt = jnp.dtype(weights.dtype)

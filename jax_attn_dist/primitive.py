@@ -31,7 +31,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from . import _contract, _ext, sharding
-from ._contract import FFI_TARGET, Problem
+from ._contract import FFI_TARGET
 from .reference import reference_canonical
 
 
@@ -155,11 +155,6 @@ def _ffi_forward(q, k, indices, lse, q_start, *, sm_scale, causal, k_stride, lse
         k_stride=np.int32(k_stride),
         lse_base_e=bool(lse_base == "e"),
     )
-
-
-def attn_dist_kernel_decision(problem: Problem, implementation: Optional[str]) -> Tuple[bool, str]:
-    """Whether the CUDA lowering of this attn_dist problem calls the kernel."""
-    return kernel_decision(problem, _contract.kernel_supports, implementation)
 
 
 register_platform_lowerings(

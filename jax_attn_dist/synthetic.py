@@ -185,11 +185,6 @@ class SyntheticIndexer:
     def arrays(self):
         return (self.index_q, self.index_k, self.weights)
 
-    def flops(self, T: int) -> int:
-        """2 * B * S * HI * T * DI: the index_q . index_k products."""
-        *lead, HI, DI = self.index_q.shape
-        return 2 * int(np.prod(lead)) * HI * T * DI
-
 
 def make_indexer(problem: SyntheticProblem, *, HI: int = 64, DI: int = 128, dtype=jnp.bfloat16,
                  weights_dtype=jnp.float32, seed: int = 0) -> SyntheticIndexer:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inputs import register_kernels, sweep_q_start_and_indices
+from inputs import register_kernels, sweep_choices, sweep_q_start_and_indices
 from jax_attn_dist import _contract, oracle
 
 register_kernels()
@@ -120,11 +120,7 @@ def sweep_cases(count: int = 40, seed: int = 2027):
         invalid_fraction=[0.0, 0.3, 1.0],
     )
     cases = []
-    for i in range(count):
-        choice = {name: values[i % len(values)] if i < 8 else values[rng.integers(len(values))]
-                  for name, values in axes.items()}
-        if choice["B"] is None:
-            choice["per_batch_q_start"] = False
+    for i, choice in sweep_choices(axes, count, rng):
         big = choice["T"] >= 2048
         S = int(rng.integers(1, 5 if big else 20))
         N = int(rng.integers(1, 4000))

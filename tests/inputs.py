@@ -125,3 +125,16 @@ def sweep_q_start_and_indices(rng, *, B, S, T, N, k_stride, causal, per_batch_q_
     make_bad = rng.random(idx.shape) < invalid_fraction
     make_bad |= (visible < 0)[:, :, None, None]  # nothing visible: every slot invalid
     return q_start, np.where(make_bad, bad, idx).astype(np.int32)
+
+
+def sweep_choices(axes: dict, count: int, rng):
+    """Yields ``count`` configurations for a kernel sweep: the first 8 take
+    value i (mod len) of every axis, so that each listed value of each axis
+    appears; the rest are random draws. A batch-less choice never has a
+    per-batch q_start. The caller may draw more from ``rng`` between yields."""
+    for i in range(count):
+        choice = {name: values[i % len(values)] if i < 8 else values[rng.integers(len(values))]
+                  for name, values in axes.items()}
+        if choice["B"] is None:
+            choice["per_batch_q_start"] = False
+        yield i, choice

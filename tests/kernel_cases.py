@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_attn_dist import _contract, oracle
-from inputs import register_kernels, sweep_q_start_and_indices
+from inputs import register_kernels, sweep_choices, sweep_q_start_and_indices
 
 register_kernels()
 
@@ -127,11 +127,7 @@ def sweep_cases(count: int = 64, seed: int = 2026):
         invalid_fraction=[0.0, 0.3, 1.0],
     )
     cases = []
-    for i in range(count):
-        choice = {name: values[i % len(values)] if i < 8 else values[rng.integers(len(values))]
-                  for name, values in axes.items()}
-        if choice["B"] is None:
-            choice["per_batch_q_start"] = False
+    for i, choice in sweep_choices(axes, count, rng):
         big = choice["T"] >= 2048
         S = int(rng.integers(1, 6 if big else 24))
         N = int(rng.integers(1, 4000))
