@@ -213,8 +213,22 @@ def bench_indexer(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
             lambda *a: jax_attn_dist.indexer_kl(*a, implementation=impl, **kw).mean())
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
+    def bwd_only(deterministic):
+        """The backward alone: jax.vjp's function (its residuals computed
+        beforehand), jitted, on a mean-loss cotangent."""
+        pairs = []
+        for a in arg_sets:
+            f = lambda iq, ik, w, a=a: jax_attn_dist.indexer_kl(iq, ik, w, *a[3:], deterministic=deterministic, **kw)  # noqa: E731
+            out, vjp = jax.vjp(f, *a[:3])
+            pairs.append((vjp, jnp.full(out.shape, 1.0 / out.size, jnp.float32)))
+        return jax.jit(lambda vjp, g: vjp(g)), pairs
+
     kernel = fwd("cuda")
     out_k = kernel(*arg_sets[0])
+    for deterministic, key in ((False, "kernel_bwd_ms"), (True, "bwd_deterministic_ms")):
+        b, pairs = bwd_only(deterministic)
+        row[key] = time_calls(b, pairs, calls=max(1, calls // (1 if not deterministic else 4)), samples=samples) * 1e3
+        log(f"  {name}: backward (deterministic={deterministic}) {row[key]:.3f} ms")
     t_k = time_calls(kernel, arg_sets, calls=calls, samples=samples)
     kb = fwd_bwd("cuda")
     t_kb = time_calls(kb, arg_sets, calls=max(1, calls // 2), samples=samples)
@@ -300,14 +314,15 @@ def git_commit() -> str:
 def table(result) -> str:
     gb = lambda b: (b or 0) / 1e9  # noqa: E731
     lines = [f"{'shape':<16}{'kernel ms':>10}{'TFLOP/s':>9}{'of GEMM':>8}{'XLA ms':>9}{'speedup':>8}"
-             f"{'XLA tmp GB':>11}{'fwd+bwd ms':>11}{'XLA f+b ms':>11}"]
+             f"{'XLA tmp GB':>11}{'fwd+bwd ms':>11}{'XLA f+b ms':>11}{'bwd ms':>9}{'det bwd':>9}"]
     for r in result["rows"]:
         tf = r.get("kernel_tflops")
         lines.append(
             f"{r['name']:<16}{r['kernel_ms']:>10.3f}{tf if tf is not None else float('nan'):>9.0f}"
             f"{r.get('kernel_frac_gemm', float('nan')):>8.0%}{r.get('xla_ms', float('nan')):>9.2f}"
             f"{r.get('speedup_vs_xla', float('nan')):>7.2f}x{gb(r.get('xla_extra_bytes')):>11.2f}"
-            f"{r.get('kernel_fwd_bwd_ms', float('nan')):>11.3f}{r.get('xla_fwd_bwd_ms', float('nan')):>11.2f}")
+            f"{r.get('kernel_fwd_bwd_ms', float('nan')):>11.3f}{r.get('xla_fwd_bwd_ms', float('nan')):>11.2f}"
+            f"{r.get('kernel_bwd_ms', float('nan')):>9.3f}{r.get('bwd_deterministic_ms', float('nan')):>9.2f}")
     return "\n".join(lines)
 
 

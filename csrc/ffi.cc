@@ -235,6 +235,113 @@ ffi::Error IndexerFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_
                     lse, scale, causal, k_stride);
 }
 
+// ---------------------------------------------------------------------------
+// indexer_kl backward
+// ---------------------------------------------------------------------------
+
+ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q,
+                      ffi::Buffer<ffi::BF16> index_k, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
+                      ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::F32> lse,
+                      ffi::Buffer<ffi::F32> g, ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
+                      ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
+                      float scale, bool causal, int32_t k_stride) {
+  const Checker check{target};
+  const auto qd = index_q.dimensions();
+  if (qd.size() != 4) return check.Invalid("index_q must be rank 4 [B, S, HI, DI], got " + Shape(qd));
+  const int64_t B = qd[0], S = qd[1], HI = qd[2], DI = qd[3];
+  const auto kd = index_k.dimensions();
+  if (kd.size() != 3) return check.Invalid("index_k must be rank 3 [B, N, DI], got " + Shape(kd));
+  const int64_t N = kd[1];
+  const auto id = indices.dimensions();
+  if (id.size() != 4) return check.Invalid("indices must be rank 4 [B, S, 1, T], got " + Shape(id));
+  const int64_t T = id[3];
+
+  if (!OneOf(DI, kIndexerHeadDims))
+    return check.Invalid("the indexer head dim DI must be 64 or 128, got " + std::to_string(DI));
+  if (HI < 1 || HI > kIndexerBwdMaxHeads)
+    return check.Invalid("the backward kernel's indexer heads HI must be in [1, 64], got " + std::to_string(HI));
+  if (auto e = check.Shape("index_k", kd, {B, N, DI}, "[B, N, DI]"); e.failure()) return e;
+  if (auto e = check.Shape("weights", weights.dimensions(), {B, S, HI}, "[B, S, HI]"); e.failure()) return e;
+  if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
+  if (auto e = check.Shape("target", target_dist.dimensions(), {B, S, T}, "[B, S, T]"); e.failure()) return e;
+  if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
+  if (auto e = check.Shape("lse", lse.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
+  if (auto e = check.Shape("g", g.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
+  if (auto e = check.Shape("d_index_q", d_index_q->dimensions(), {B, S, HI, DI}, "[B, S, HI, DI]"); e.failure())
+    return e;
+  if (auto e = check.Shape("d_weights", d_weights->dimensions(), {B, S, HI}, "[B, S, HI]"); e.failure()) return e;
+  if (auto e = check.Shape("d_index_k", d_index_k->dimensions(), {B, N, DI}, "[B, N, DI]"); e.failure()) return e;
+  if (!(std::isfinite(scale) && scale > 0.f))
+    return check.Invalid("scale must be finite and > 0, got " + std::to_string(scale));
+  if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
+  if (S > kIntMax || N > kIntMax || T > kIntMax || B * S > kIntMax)
+    return check.Invalid("problem too large: B * S, N and T must be < 2^31");
+  if (!Aligned16(index_q.untyped_data()) || !Aligned16(index_k.untyped_data()) ||
+      !Aligned16(d_index_k->untyped_data()))
+    return check.Invalid("index_q, index_k and d_index_k must be 16-byte aligned");
+
+  // d_index_k is a sum of atomic additions: it starts from zero. (A memset
+  // node: no allocation, no synchronisation, capturable.)
+  if (d_index_k->element_count() > 0) {
+    const cudaError_t err =
+        cudaMemsetAsync(d_index_k->untyped_data(), 0, size_t(d_index_k->element_count()) * sizeof(float), stream);
+    if (err != cudaSuccess)
+      return ffi::Error::Internal(std::string(target) + ": clearing d_index_k failed: " + cudaGetErrorString(err));
+  }
+  if (B * S == 0) return ffi::Error::Success();  // no rows, no launch
+
+  IndexerBwdParams p{};
+  p.batch = int(B);
+  p.s_q = int(S);
+  p.s_kv = int(N);
+  p.h_idx = int(HI);
+  p.d_idx = int(DI);
+  p.topk = int(T);
+  p.causal = causal;
+  p.k_stride = k_stride;
+  p.scale = scale;
+  p.index_q = index_q.untyped_data();
+  p.index_k = index_k.untyped_data();
+  p.weights = weights.typed_data();
+  p.indices = indices.typed_data();
+  p.target = target_dist.typed_data();
+  p.q_start = q_start.typed_data();
+  p.lse = lse.typed_data();
+  p.g = g.typed_data();
+  p.d_index_q = d_index_q->untyped_data();
+  p.d_weights = d_weights->typed_data();
+  p.d_index_k = d_index_k->typed_data();
+
+  const char* detail = "";
+  return check.Launched(run_indexer_bwd(p, stream, &detail), detail);
+}
+
+ffi::Error IndexerBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
+                          ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
+                          ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::F32> lse,
+                          ffi::Buffer<ffi::F32> g, ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
+                          ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
+                          float scale, bool causal, int32_t k_stride) {
+  return IndexerBwd(kIndexerBwdTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, lse, g,
+                    d_index_q, d_weights, d_index_k, scale, causal, k_stride);
+}
+
+ffi::Error IndexerBwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
+                              ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
+                              ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                              ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::BF16> dq_init,
+                              ffi::Buffer<ffi::F32> dw_init, ffi::Buffer<ffi::F32> dk_init,
+                              ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q, ffi::Result<ffi::Buffer<ffi::F32>> d_weights,
+                              ffi::Result<ffi::Buffer<ffi::F32>> d_index_k, float scale, bool causal,
+                              int32_t k_stride) {
+  if (dq_init.untyped_data() != d_index_q->untyped_data() || dw_init.untyped_data() != d_weights->untyped_data() ||
+      dk_init.untyped_data() != d_index_k->untyped_data())
+    return Checker{kIndexerBwdPoisonedTarget}.Invalid(
+        "dq_init, dw_init and dk_init must be aliased to the outputs (input_output_aliases={8: 0, 9: 1, 10: 2})");
+  return IndexerBwd(kIndexerBwdPoisonedTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, lse,
+                    g, d_index_q, d_weights, d_index_k, scale, causal, k_stride);
+}
+
 // The operand lists, shared by each target and its poisoned twin.
 auto AttnDistOperands() {
   return ffi::Ffi::Bind()
@@ -275,6 +382,22 @@ auto IndexerResultsAndAttrs(Binding b) {
       .template Attr<int32_t>("k_stride");
 }
 
+template <class Binding>
+auto IndexerBwdResultsAndAttrs(Binding b) {
+  return std::move(b).template Ret<ffi::Buffer<ffi::BF16>>()  // d_index_q
+      .template Ret<ffi::Buffer<ffi::F32>>()      // d_weights
+      .template Ret<ffi::Buffer<ffi::F32>>()      // d_index_k
+      .template Attr<float>("scale")
+      .template Attr<bool>("causal")
+      .template Attr<int32_t>("k_stride");
+}
+
+auto IndexerBwdOperands() {
+  return IndexerOperands()
+      .Arg<ffi::Buffer<ffi::F32>>()    // lse
+      .Arg<ffi::Buffer<ffi::F32>>();   // g
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAttnDistFwd, AttnDistFwdImpl, AttnDistResultsAndAttrs(AttnDistOperands()),
@@ -288,6 +411,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerFwdInto, IndexerFwdIntoImpl,
                               IndexerResultsAndAttrs(IndexerOperands()
                                                          .Arg<ffi::Buffer<ffi::F32>>()    // kl_init
                                                          .Arg<ffi::Buffer<ffi::F32>>()),  // lse_init
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwd, IndexerBwdImpl, IndexerBwdResultsAndAttrs(IndexerBwdOperands()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwdInto, IndexerBwdIntoImpl,
+                              IndexerBwdResultsAndAttrs(IndexerBwdOperands()
+                                                            .Arg<ffi::Buffer<ffi::BF16>>()   // dq_init
+                                                            .Arg<ffi::Buffer<ffi::F32>>()    // dw_init
+                                                            .Arg<ffi::Buffer<ffi::F32>>()),  // dk_init
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace attn_dist

@@ -23,9 +23,18 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerFwd);
 inline constexpr const char* kIndexerFwdPoisonedTarget = "jax_attn_dist_indexer_fwd_into";
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerFwdInto);
 
+// indexer_kl backward: (index_q, index_k, weights, indices, target, q_start, lse, g)
+//   -> (d_index_q bf16, d_weights f32, d_index_k f32).
+inline constexpr const char* kIndexerBwdTarget = "jax_attn_dist_indexer_bwd";
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerBwd);
+// The same, plus three operands aliased to the results, for poisoned tests.
+inline constexpr const char* kIndexerBwdPoisonedTarget = "jax_attn_dist_indexer_bwd_into";
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerBwdInto);
+
 // The head dims the kernels are built for (also in _contract.py; tested equal).
 inline constexpr int kAttnDistHeadDims[] = {512, 576};
 inline constexpr int kIndexerHeadDims[] = {64, 128};
 inline constexpr int kIndexerMaxHeads = 256;
+inline constexpr int kIndexerBwdMaxHeads = 64;
 
 }  // namespace attn_dist

@@ -37,6 +37,8 @@ NB_MODULE(_cuda, m) {
     d[attn_dist::kAttnDistPoisonedTarget] = Capsule(attn_dist::kAttnDistFwdInto);
     d[attn_dist::kIndexerFwdTarget] = Capsule(attn_dist::kIndexerFwd);
     d[attn_dist::kIndexerFwdPoisonedTarget] = Capsule(attn_dist::kIndexerFwdInto);
+    d[attn_dist::kIndexerBwdTarget] = Capsule(attn_dist::kIndexerBwd);
+    d[attn_dist::kIndexerBwdPoisonedTarget] = Capsule(attn_dist::kIndexerBwdInto);
     return d;
   });
   m.def("build_id", []() { return JAX_ATTN_DIST_BUILD_ID; },
@@ -44,4 +46,5 @@ NB_MODULE(_cuda, m) {
   m.def("attn_dist_head_dims", []() { return Ints(attn_dist::kAttnDistHeadDims); });
   m.def("indexer_head_dims", []() { return Ints(attn_dist::kIndexerHeadDims); });
   m.def("indexer_max_heads", []() { return attn_dist::kIndexerMaxHeads; });
+  m.def("indexer_bwd_max_heads", []() { return attn_dist::kIndexerBwdMaxHeads; });
 }

@@ -51,11 +51,38 @@ struct IndexerFwdParams {
   float* lse;
 };
 
+// indexer_kl's backward (docs/SPEC.md §5.3), the forward's operands plus
+//   lse [B, S] f32 (the forward's residual), g [B, S] f32 (the cotangent of kl)
+//   ->  d_index_q [B, S, HI, DI] bf16, d_weights [B, S, HI] f32, and
+//       d_index_k [B, N, DI] f32, which the caller zeroes first: the kernel
+//       adds every slot's contribution with float32 atomics.
+struct IndexerBwdParams {
+  int batch, s_q, s_kv, h_idx, d_idx, topk;
+
+  bool causal;
+  int k_stride;
+  float scale;
+
+  const void* index_q;     // cutlass::bfloat16_t
+  const void* index_k;     // cutlass::bfloat16_t
+  const float* weights;
+  const int32_t* indices;
+  const float* target;
+  const int32_t* q_start;
+  const float* lse;
+  const float* g;
+  void* d_index_q;         // cutlass::bfloat16_t
+  float* d_weights;
+  float* d_index_k;
+};
+
 enum class LaunchStatus { kOk, kInvalidProblem, kUnsupportedDim, kTensorMapError, kLaunchError };
 
 // Launch on `stream`; never synchronise, never allocate. On failure `detail`
 // says why (a static string or one from cudaGetErrorString).
 LaunchStatus run_attn_dist(const AttnDistParams& params, cudaStream_t stream, const char** detail);
 LaunchStatus run_indexer_fwd(const IndexerFwdParams& params, cudaStream_t stream, const char** detail);
+// d_index_k must be zero on entry (the FFI handler clears it on the stream).
+LaunchStatus run_indexer_bwd(const IndexerBwdParams& params, cudaStream_t stream, const char** detail);
 
 }  // namespace attn_dist

@@ -29,7 +29,10 @@ FFI_TARGET = "jax_attn_dist_fwd"                     # attn_dist
 FFI_TARGET_POISONED = "jax_attn_dist_fwd_into"       # attn_dist into an aliased (test-poisoned) output
 FFI_INDEXER_FWD = "jax_attn_dist_indexer_fwd"        # indexer_kl forward
 FFI_INDEXER_FWD_POISONED = "jax_attn_dist_indexer_fwd_into"
-FFI_TARGETS = (FFI_TARGET, FFI_TARGET_POISONED, FFI_INDEXER_FWD, FFI_INDEXER_FWD_POISONED)
+FFI_INDEXER_BWD = "jax_attn_dist_indexer_bwd"        # indexer_kl backward
+FFI_INDEXER_BWD_POISONED = "jax_attn_dist_indexer_bwd_into"
+FFI_TARGETS = (FFI_TARGET, FFI_TARGET_POISONED, FFI_INDEXER_FWD, FFI_INDEXER_FWD_POISONED, FFI_INDEXER_BWD,
+               FFI_INDEXER_BWD_POISONED)
 
 #: ``q``/``k`` dtypes the jnp path accepts. The CUDA kernel takes bfloat16 only.
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -422,6 +425,10 @@ INDEXER_KERNEL_HEAD_DIMS = (64, 128)
 #: The most indexer heads HI the indexer CUDA kernel serves (4 tiles of 64).
 INDEXER_KERNEL_MAX_HEADS = 256
 
+#: The most indexer heads HI the backward kernel serves (one tile: its d index_q
+#: accumulators for more heads would not fit the registers).
+INDEXER_BWD_KERNEL_MAX_HEADS = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class IndexerProblem:
@@ -567,4 +574,20 @@ def indexer_kernel_supports(problem: IndexerProblem) -> Tuple[bool, str]:
         )
     if problem.HI > INDEXER_KERNEL_MAX_HEADS:
         return False, f"the indexer CUDA kernel takes up to {INDEXER_KERNEL_MAX_HEADS} heads, got HI = {problem.HI}"
+    return True, "supported"
+
+
+def indexer_bwd_kernel_supports(problem: IndexerProblem, *, deterministic: bool = False) -> Tuple[bool, str]:
+    """Whether the indexer backward CUDA kernel serves this problem: what the
+    forward kernel serves with HI <= 64, and ``deterministic=False`` (its
+    d index_k is a float32 atomic sum; ``deterministic=True`` runs the sorted
+    jnp backward)."""
+    ok, why = indexer_kernel_supports(problem)
+    if not ok:
+        return ok, why
+    if problem.HI > INDEXER_BWD_KERNEL_MAX_HEADS:
+        return False, (f"the indexer backward kernel takes up to {INDEXER_BWD_KERNEL_MAX_HEADS} heads, "
+                       f"got HI = {problem.HI}")
+    if deterministic:
+        return False, "deterministic=True: the backward kernel's d index_k uses float32 atomics"
     return True, "supported"

@@ -100,8 +100,9 @@ def _indexer_fwd(index_q, index_k, weights, indices, target, q_start, scale, cau
 
 
 def _indexer_bwd(scale, causal, k_stride, deterministic, implementation, residuals, g):
-    # `implementation` chooses the forward's path; there is no CUDA backward
-    # kernel yet, so "cuda" does not bind the backward to one.
+    # `implementation="cuda"` binds the forward to its kernel; the backward
+    # uses its kernel wherever it applies (HI <= 64, deterministic=False) and
+    # the jnp pass elsewhere, so "cuda" becomes None here.
     params = _indexer_params(scale, causal, k_stride, deterministic,
                              None if implementation == "cuda" else implementation)
     index_q, index_k, weights = residuals[:3]

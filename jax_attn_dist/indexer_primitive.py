@@ -12,8 +12,8 @@ Static parameters: ``scale`` (float), ``causal`` (bool), ``k_stride`` (int),
 
 As for attn_dist (``primitive.py``), each lowers through custom_partitioning
 (``sharding.py``) to an inner per-shard primitive, whose CUDA lowering calls
-the SM90 forward kernel where it applies. The backward is the chunked jnp
-pass on every platform.
+the SM90 kernels where they apply (the backward kernel: HI <= 64 and
+deterministic=False); elsewhere the chunked jnp passes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _contract, sharding
-from ._contract import FFI_INDEXER_FWD
+from ._contract import FFI_INDEXER_BWD, FFI_INDEXER_FWD
 from .backward import indexer_bwd_canonical
 from .primitive import define_primitive, register_platform_lowerings
 from .reference import indexer_reference_canonical
@@ -68,6 +68,22 @@ def _ffi_forward(index_q, index_k, weights, indices, target, q_start, *, scale, 
     )
 
 
+def _ffi_backward(index_q, index_k, weights, indices, target, q_start, lse, g, *, scale, causal, k_stride,
+                  deterministic, implementation):
+    """The SM90 backward kernel through XLA's FFI (csrc/ffi.cc): the forward's
+    operands plus Buffer<F32> lse [B,S] and Buffer<F32> g [B,S]; results
+    Buffer<BF16> d index_q [B,S,HI,DI], Buffer<F32> d weights [B,S,HI] and
+    Buffer<F32> d index_k [B,N,DI] (a float32 atomic sum, cast here)."""
+    del deterministic, implementation  # the kernel is chosen for deterministic=False only
+    dq, dw, dk = jax.ffi.ffi_call(FFI_INDEXER_BWD, (
+        jax.ShapeDtypeStruct(index_q.shape, jnp.bfloat16),
+        jax.ShapeDtypeStruct(weights.shape, jnp.float32),
+        jax.ShapeDtypeStruct(index_k.shape, jnp.float32),
+    ))(index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, lse, g.astype(jnp.float32),
+       scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride))
+    return dq, dk.astype(index_k.dtype), dw.astype(weights.dtype)
+
+
 def _forward_jnp(*operands, scale, causal, k_stride, **unused):
     return indexer_reference_canonical(*operands, scale=scale, causal=causal, k_stride=k_stride)
 
@@ -82,13 +98,11 @@ register_platform_lowerings(
     supports=_contract.indexer_kernel_supports, jnp_impl=_forward_jnp, kernel_impl=_ffi_forward,
     multiple_results=True,
 )
-# The backward has no CUDA kernel yet: the jnp pass on every platform (with
-# implementation="cuda" it still runs, the choice applies to the forward).
 register_platform_lowerings(
     indexer_kl_bwd_local_p, who="indexer_kl backward",
     check=lambda *avals: _contract.check_indexer_canonical(*avals[:6]),
-    supports=lambda problem: (False, "no CUDA backward kernel yet"), jnp_impl=_backward_jnp, kernel_impl=None,
-    multiple_results=True,
+    supports=_contract.indexer_bwd_kernel_supports, supports_params=("deterministic",),
+    jnp_impl=_backward_jnp, kernel_impl=_ffi_backward, multiple_results=True,
 )
 sharding.register_partitioned_lowering(indexer_kl_p, indexer_kl_local_p, sharding.INDEXER_FWD)
 sharding.register_partitioned_lowering(indexer_kl_bwd_p, indexer_kl_bwd_local_p, sharding.INDEXER_BWD)

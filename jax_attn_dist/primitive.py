@@ -90,10 +90,13 @@ def kernel_decision(problem, supports: Callable, implementation: Optional[str]) 
 
 
 def register_platform_lowerings(local_p: Primitive, *, who: str, check: Callable, supports: Callable,
-                                jnp_impl: Callable, kernel_impl: Optional[Callable], multiple_results: bool):
+                                jnp_impl: Callable, kernel_impl: Optional[Callable], multiple_results: bool,
+                                supports_params: Tuple[str, ...] = ()):
     """Lowerings of an inner primitive: the jnp path everywhere; on CUDA the
     kernel (``kernel_impl``) where ``kernel_decision`` says so.
-    ``implementation="cuda"`` raises where the kernel cannot be used."""
+    ``implementation="cuda"`` raises where the kernel cannot be used.
+    ``supports_params``: the primitive's parameters that ``supports`` also
+    takes, as keywords."""
     lower_jnp = mlir.lower_fun(jnp_impl, multiple_results=multiple_results)
     lower_kernel = mlir.lower_fun(kernel_impl, multiple_results=multiple_results) if kernel_impl else None
 
@@ -108,7 +111,8 @@ def register_platform_lowerings(local_p: Primitive, *, who: str, check: Callable
     def lowering_cuda(ctx, *args, **params):
         problem = check(*ctx.avals_in)
         implementation = params["implementation"]
-        use_kernel, why = kernel_decision(problem, supports, implementation)
+        kw = {name: params[name] for name in supports_params}
+        use_kernel, why = kernel_decision(problem, lambda pr: supports(pr, **kw), implementation)
         if use_kernel and lower_kernel is not None:
             _ext.ensure_registered()
             return lower_kernel(ctx, *args, **params)

@@ -3,9 +3,11 @@
 Not a test file: `test_indexer_gpu.py` runs these under pytest, and
 `tests/sanitizer_run.py` runs a few under compute-sanitizer.
 
-The kernel is called through the test-only FFI target
-`jax_attn_dist_indexer_fwd_into`, whose two outputs are aliased to operands
-that we fill with NaN: a row the kernel does not write stays NaN and fails.
+The kernels are called through the test-only FFI targets
+`jax_attn_dist_indexer_fwd_into` and `jax_attn_dist_indexer_bwd_into`, whose
+outputs are aliased to operands that we fill with NaN: an element the kernel
+does not write stays NaN and fails. (The backward clears d index_k itself
+before its atomic sums, so its poison only shows that the clear happened.)
 """
 
 from __future__ import annotations
@@ -126,3 +128,65 @@ def sweep_cases(count: int = 40, seed: int = 2027):
         N = int(rng.integers(1, 4000))
         cases.append(Case(S=S, N=N, seed=3000 + i, scale=float(rng.choice([0.5, 1.0, 3.0])), **choice))
     return cases
+
+
+# ----------------------------------------------------------------------------
+# the backward kernel
+# ----------------------------------------------------------------------------
+
+#: The backward kernel's gradients against float64: max |err| <= this x
+#: max |ref|, per gradient (dz is rounded to bfloat16 for its GEMMs; d index_q
+#: and d index_k are returned in bfloat16).
+BWD_TOLERANCE = 1e-2
+
+
+def poisoned_bwd_call(index_q, index_k, weights, indices, target, q_start, lse, g, *, scale, causal, k_stride):
+    shapes = (jax.ShapeDtypeStruct(index_q.shape, jnp.bfloat16), jax.ShapeDtypeStruct(weights.shape, jnp.float32),
+              jax.ShapeDtypeStruct(index_k.shape, jnp.float32))
+    poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in shapes]
+    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD_POISONED, shapes, input_output_aliases={8: 0, 9: 1, 10: 2})
+    return call(index_q, index_k, weights, indices, target, q_start, lse, g, *poison,
+                scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride))
+
+
+_jitted_bwd = jax.jit(poisoned_bwd_call, static_argnames=("scale", "causal", "k_stride"))
+
+
+def run_bwd_kernel(inputs, kwargs, lse, g):
+    kw = {k: kwargs[k] for k in ("scale", "causal", "k_stride")}
+    outs = _jitted_bwd(*(jnp.asarray(x) for x in inputs), jnp.asarray(lse), jnp.asarray(g), **kw)
+    return tuple(np.asarray(jnp.asarray(x, jnp.float32)) for x in outs)
+
+
+def bwd_cotangent(case: Case):
+    """g [B, S]: normal, with some rows 0."""
+    rng = np.random.default_rng(case.seed + 77)
+    B = 1 if case.B is None else case.B
+    g = rng.standard_normal((B, case.S)).astype(np.float32)
+    g[rng.random((B, case.S)) < 0.1] = 0.0
+    return g
+
+
+def check_bwd_case(case: Case):
+    """The backward kernel on the forward kernel's lse: every element written,
+    each gradient within BWD_TOLERANCE of float64, and d index_q / d weights
+    exactly 0 on rows without a positive target on a valid slot."""
+    inputs, kwargs = make_case_inputs(case)
+    _, lse = run_kernel(inputs, kwargs)
+    g = bwd_cotangent(case)
+    dq, dw, dk = run_bwd_kernel(inputs, kwargs, lse, g)
+    index_q, index_k, weights, indices, target, q_start = inputs
+    want = oracle.indexer_grads_oracle(index_q, index_k, weights, indices, target, g, scale=case.scale,
+                                       causal=case.causal, q_start_index=q_start, k_stride=case.k_stride)
+    for name, got, ref in zip(("d_index_q", "d_index_k", "d_weights"), (dq, dk, dw), want):
+        assert np.isfinite(got).all(), f"{case.name}: {name} unwritten or non-finite"
+        bound = np.abs(ref).max() if ref.size else 0.0
+        err = np.abs(got - ref).max() if ref.size else 0.0
+        if bound == 0:
+            assert np.all(got == 0), f"{case.name}: {name} should be 0"
+        else:
+            assert err <= BWD_TOLERANCE * bound, f"{case.name}: {name} error {err:.3e} vs max |ref| {bound:.3e}"
+    valid = oracle.valid_mask(indices, case.N, causal=case.causal, q_start_index=q_start, k_stride=case.k_stride)
+    dead = ~((valid[:, :, 0, :] & (target > 0)).any(axis=-1)) | (g == 0)
+    assert np.all(dq[dead] == 0) and np.all(dw[dead] == 0), f"{case.name}: nonzero gradient on a dead row"
+    return dq, dw, dk

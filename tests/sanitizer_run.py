@@ -2,10 +2,13 @@
 
     compute-sanitizer --tool racecheck --kernel-name kns=attn_dist_kernel python tests/sanitizer_run.py attn_dist
     compute-sanitizer --tool racecheck --kernel-name kns=indexer_fwd_kernel python tests/sanitizer_run.py indexer
+    compute-sanitizer --tool racecheck --kernel-name kns=indexer_bwd_kernel python tests/sanitizer_run.py indexer_bwd
 
 attn_dist: partial T, partial H, both head tiles, both D, batched, all-invalid.
 indexer: every head-tile variant (16, 32, 64, 4 x 64), both DI, partial T,
-batched, all-invalid, T = 0. Exits non-zero if a result is wrong.
+batched, all-invalid, T = 0. indexer_bwd: the backward kernel on the
+indexer cases it serves (HI <= 64) plus hot duplicated keys. Exits non-zero
+if a result is wrong.
 """
 
 import sys
@@ -33,10 +36,21 @@ INDEXER = [
     indexer_cases.Case(S=48, HI=64, T=512, DI=128, N=4096, seed=7),                       # mid-size
 ]
 
+INDEXER_BWD = [c for c in INDEXER if c.HI <= 64] + [
+    indexer_cases.Case(S=16, HI=32, T=256, DI=64, N=4, causal=False, invalid_fraction=0.0, seed=8),  # hot duplicates
+]
+
+CHECKS = {
+    "attn_dist": (ATTN_DIST, kernel_cases.check_case),
+    "indexer": (INDEXER, indexer_cases.check_case),
+    "indexer_bwd": (INDEXER_BWD, indexer_cases.check_bwd_case),
+}
+
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["attn_dist", "indexer"]
+    which = sys.argv[1:] or list(CHECKS)
     for name in which:
-        for case in {"attn_dist": ATTN_DIST, "indexer": INDEXER}[name]:
-            (kernel_cases if name == "attn_dist" else indexer_cases).check_case(case)
+        cases, check = CHECKS[name]
+        for case in cases:
+            check(case)
             print("ok", name, case.name, flush=True)
     sys.exit(0)

@@ -184,6 +184,7 @@ def test_the_built_extension_matches_this_checkout():
     assert tuple(module.attn_dist_head_dims()) == _contract.KERNEL_HEAD_DIMS
     assert tuple(module.indexer_head_dims()) == _contract.INDEXER_KERNEL_HEAD_DIMS
     assert module.indexer_max_heads() == _contract.INDEXER_KERNEL_MAX_HEADS
+    assert module.indexer_bwd_max_heads() == _contract.INDEXER_BWD_KERNEL_MAX_HEADS
 
 
 # ----------------------------------------------------------------------------

@@ -365,6 +365,7 @@ def _lower(fn, args, platform):
 
 
 _CALL = re.compile(rf"stablehlo\.custom_call @{_contract.FFI_INDEXER_FWD}\(")
+_BWD_CALL = re.compile(rf"stablehlo\.custom_call @{_contract.FFI_INDEXER_BWD}\(")
 
 
 @pytest.mark.parametrize("HI,DI,wdt", [(64, 128, F32), (1, 64, BF16), (200, 128, F32)])
@@ -376,10 +377,29 @@ def test_cuda_lowering_calls_the_kernel(cross_lowering, HI, DI, wdt):
     text = _lower(f, (iq, ik, w, idx, tgt, qs), "cuda")
     assert len(_CALL.findall(text)) == 1
     assert re.search(r"scale = [-0-9.e+]+ : f32", text) and "k_stride = " in text
-    # with gradients: one forward kernel call, the backward is jnp
+    # with gradients: one forward kernel call, and one backward kernel call
+    # where it applies (HI <= 64), else the jnp backward
     g = _lower(jax.grad(lambda a: f(a, ik, w, idx, tgt, qs).sum()), (iq,), "cuda")
     assert len(_CALL.findall(g)) == 1
+    assert len(_BWD_CALL.findall(g)) == (1 if HI <= _contract.INDEXER_BWD_KERNEL_MAX_HEADS else 0)
     assert _contract.FFI_INDEXER_FWD not in _lower(f, (iq, ik, w, idx, tgt, qs), "cpu")
+
+
+def test_cuda_lowering_of_the_backward(cross_lowering):
+    """The backward kernel's call: the f32 d index_k it returns is cast to
+    index_k's dtype; deterministic=True keeps the sorted jnp backward."""
+    iq, ik, w, idx, tgt, kw = make_indexer_inputs(0, B=2, S=4, HI=16, DI=64, N=9, T=5, weights_dtype=BF16)
+    problem = _contract.check_indexer_problem(iq, ik, w, idx, tgt)
+    assert _contract.indexer_bwd_kernel_supports(problem) == (True, "supported")
+    assert not _contract.indexer_bwd_kernel_supports(problem, deterministic=True)[0]
+    for deterministic, calls in ((False, 1), (True, 0)):
+        loss = lambda a, b, c: indexer_kl(a, b, c, idx, tgt, deterministic=deterministic, **kw).sum()  # noqa: E731
+        text = _lower(jax.grad(loss, argnums=(0, 1, 2)), (iq, ik, w), "cuda")
+        assert len(_BWD_CALL.findall(text)) == calls, deterministic
+        assert len(_CALL.findall(text)) == 1
+    # implementation="cuda" binds the forward; the backward still lowers (to its kernel here)
+    loss = lambda a: indexer_kl(a, ik, w, idx, tgt, implementation="cuda", **kw).sum()  # noqa: E731
+    assert len(_BWD_CALL.findall(_lower(jax.grad(loss), (iq,), "cuda"))) == 1
 
 
 @pytest.mark.parametrize("change", [dict(dtype=F32), dict(DI=32), dict(HI=300)])

@@ -1,7 +1,7 @@
-"""The SM90 indexer_kl forward kernel on the GPU, against the float64 oracle
-(SPEC §3.2), with poisoned outputs; the public API's kernel path, its
-gradients, indexer_loss on both kernels, determinism and the FFI handler's
-own errors. GPU only (see conftest.py)."""
+"""The SM90 indexer_kl forward and backward kernels on the GPU, against the
+float64 oracle (SPEC §3.2), with poisoned outputs; the public API's kernel
+path, its gradients, indexer_loss on both kernels, determinism and the FFI
+handlers' own errors. GPU only (see conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 
 from grad_util import assert_grad_close
-from indexer_cases import Case, check_case, make_case_inputs, run_kernel, sweep_cases
+from indexer_cases import (Case, bwd_cotangent, check_bwd_case, check_case, make_case_inputs, run_bwd_kernel,
+                           run_kernel, sweep_cases)
 from inputs import make_indexer_inputs, seed_of
 from jax_attn_dist import _contract, indexer_kl, indexer_loss, oracle, synthetic
 
 pytestmark = pytest.mark.gpu
 
 SWEEP = sweep_cases(40)
+BWD_SWEEP = [c for c in SWEEP if c.HI <= _contract.INDEXER_BWD_KERNEL_MAX_HEADS]
 
 
 @pytest.mark.parametrize("case", SWEEP, ids=[c.name for c in SWEEP])
@@ -29,6 +31,45 @@ def test_sweep_matches_float64(case):
 @pytest.mark.parametrize("DI", [64, 128])
 def test_full_topk(HI, DI):
     check_case(Case(S=12, HI=HI, DI=DI, T=2048, N=8192, invalid_fraction=0.05, seed=HI + DI))
+
+
+@pytest.mark.parametrize("case", BWD_SWEEP, ids=[c.name for c in BWD_SWEEP])
+def test_bwd_sweep_matches_float64(case):
+    check_bwd_case(case)
+
+
+@pytest.mark.parametrize("HI", [16, 32, 64])
+@pytest.mark.parametrize("DI", [64, 128])
+def test_bwd_full_topk(HI, DI):
+    check_bwd_case(Case(S=12, HI=HI, DI=DI, T=2048, N=8192, invalid_fraction=0.05, seed=HI + DI + 1))
+
+
+def test_bwd_duplicates_and_hot_keys():
+    """Every slot of every row on a few keys: duplicates within a block and
+    across rows all accumulate (the atomics' worst case)."""
+    case = Case(S=64, HI=64, T=512, N=4, causal=False, invalid_fraction=0.0, seed=21)
+    check_bwd_case(case)
+
+
+def test_bwd_large_logits_zero_targets_and_invalid_rows():
+    check_bwd_case(Case(S=16, HI=64, T=512, N=2000, scale=40.0, seed=5))
+    check_bwd_case(Case(S=16, HI=64, T=300, N=2000, zero_rows=0.5, seed=6))
+    inputs, kwargs = make_case_inputs(Case(S=8, HI=64, T=256, N=2000, invalid_fraction=1.0, seed=7))
+    _, lse = run_kernel(inputs, kwargs)
+    dq, dw, dk = run_bwd_kernel(inputs, kwargs, lse, np.ones(lse.shape, np.float32))
+    assert np.all(dq == 0) and np.all(dw == 0) and np.all(dk == 0)
+
+
+def test_bwd_d_index_q_and_d_weights_are_bitwise_deterministic():
+    case = Case(S=256, HI=64, T=2048, N=8192, B=2, per_batch_q_start=True, seed=12)
+    inputs, kwargs = make_case_inputs(case)
+    _, lse = run_kernel(inputs, kwargs)
+    g = bwd_cotangent(case)
+    first = run_bwd_kernel(inputs, kwargs, lse, g)
+    for _ in range(3):
+        again = run_bwd_kernel(inputs, kwargs, lse, g)
+        assert again[0].tobytes() == first[0].tobytes() and again[1].tobytes() == first[1].tobytes()
+        np.testing.assert_allclose(again[2], first[2], rtol=1e-4, atol=1e-6 * np.abs(first[2]).max())
 
 
 def test_large_logits_and_all_zero_targets():
@@ -65,8 +106,9 @@ def test_public_api_uses_the_kernel_with_traced_q_start():
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_kernel_path_gradients(deterministic):
-    """Forward on the kernel, backward in jnp: the gradients match the float64
-    formulas and the XLA path's."""
+    """Forward on the kernel; backward on its kernel (deterministic=False) or
+    the sorted jnp pass (True): the gradients match the float64 formulas and
+    the XLA path's."""
     iq, ik, w, idx, tgt, kw = make_indexer_inputs(seed_of("indexer-gpu-grad", deterministic), B=2, S=24, HI=64,
                                                   DI=128, N=300, T=200, q_start_index="batch")
     rng = np.random.default_rng(3)
@@ -78,6 +120,9 @@ def test_kernel_path_gradients(deterministic):
                                                       deterministic=deterministic, **kw))
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(iq, ik, w)
 
+    text = jax.jit(jax.grad(lambda a: jnp.sum(indexer_kl(a, ik, w, idx, tgt, q_start_index=qs, implementation="cuda",
+                                                          deterministic=deterministic, **kw)))).lower(iq).as_text()
+    assert (_contract.FFI_INDEXER_BWD in text) == (not deterministic)
     got, xla = grads("cuda"), grads("xla")
     want = oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, q_start_index=qs, **kw)
     for name, a, b, o in zip(("d_index_q", "d_index_k", "d_weights"), got, xla, want):
@@ -153,3 +198,25 @@ def test_ffi_handler_returns_clear_errors(name):
     change, message = BAD[name]
     with pytest.raises(Exception, match=message):
         _raw_ffi(**change)
+
+
+def _raw_bwd_ffi(HI=64, g_rows=4):
+    dt = dict(index_q=((1, 4, HI, 128), jnp.bfloat16), index_k=((1, 32, 128), jnp.bfloat16),
+              weights=((1, 4, HI), jnp.float32), indices=((1, 4, 1, 64), jnp.int32),
+              target=((1, 4, 64), jnp.float32), q_start=((1,), jnp.int32), lse=((1, 4), jnp.float32),
+              g=((1, g_rows), jnp.float32))
+    args = [jnp.zeros(shape, d) for shape, d in dt.values()]
+    outs = (jax.ShapeDtypeStruct((1, 4, HI, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 4, HI), jnp.float32),
+            jax.ShapeDtypeStruct((1, 32, 128), jnp.float32))
+    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD, outs)
+    return jax.block_until_ready(jax.jit(lambda *a: call(*a, scale=np.float32(1.0), causal=True,
+                                                         k_stride=np.int32(1)))(*args))
+
+
+def test_bwd_ffi_handler_accepts_good_call_and_returns_clear_errors():
+    dq, dw, dk = _raw_bwd_ffi()
+    assert not np.asarray(dq.astype(jnp.float32)).any() and not np.asarray(dk).any()
+    with pytest.raises(Exception, match=r"HI must be in \[1, 64\]"):
+        _raw_bwd_ffi(HI=100)
+    with pytest.raises(Exception, match="g must have shape"):
+        _raw_bwd_ffi(g_rows=5)

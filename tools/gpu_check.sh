@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [sanitize] [ncu] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [sanitize] [ncu] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 #
@@ -54,17 +54,19 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
     bench) run bench python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
     bench-quick) run bench python3 benchmarks/bench.py --shapes v32-h128 v32-h64 idx-v32 step-v32 \
                    --json "$OUT/bench.json" ;;
+    bench-indexer) run bench python3 benchmarks/bench.py --shapes idx-v32 idx-v32-128k step-v32 \
+                     --json "$OUT/bench.json" ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
-        for kernel in attn_dist indexer; do
-          name=$([ $kernel = attn_dist ] && echo attn_dist_kernel || echo indexer_fwd_kernel)
+        for kernel in attn_dist indexer indexer_bwd; do
+          case $kernel in attn_dist) name=attn_dist_kernel ;; indexer) name=indexer_fwd_kernel ;; *) name=indexer_bwd_kernel ;; esac
           run "sanitize-$tool-$kernel" compute-sanitizer --tool "$tool" --kernel-name "kns=$name" --error-exitcode 9 \
             python3 tests/sanitizer_run.py "$kernel"
         done
       done ;;
     ncu)
       for shape in v32-h128 v32-h64 idx-v32; do
-        run "ncu-$shape" ncu --kernel-name regex:"attn_dist_kernel|indexer_fwd_kernel" --launch-skip 2 \
+        run "ncu-$shape" ncu --kernel-name regex:"attn_dist_kernel|indexer_fwd_kernel|indexer_bwd_kernel" --launch-skip 2 \
           --launch-count 1 --set full --import-source no --page details python3 tools/profile_kernel.py "$shape"
       done ;;
     sass)

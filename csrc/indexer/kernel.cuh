@@ -103,8 +103,9 @@ struct CtaProblem {
   RowSlots slots;
 };
 
-template <class Cfg>
-__device__ __forceinline__ CtaProblem locate_cta(const IndexerFwdParams& p) {
+// Params: IndexerFwdParams or IndexerBwdParams (the same problem fields).
+template <class Cfg, class Params>
+__device__ __forceinline__ CtaProblem locate_cta(const Params& p) {
   CtaProblem c;
   c.s = blockIdx.x % p.s_q;
   c.batch = blockIdx.x / p.s_q;
@@ -133,7 +134,8 @@ __device__ __forceinline__ void prefetch_to_l2(const void* buffer, int64_t size,
 // blocks ahead, the consumer both; their first touch comes from HBM. Also the
 // indices of the row of the CTA that takes this one's place next (CTAs start
 // in order, `resident` at a time), so that its first blocks start from L2.
-__device__ __forceinline__ void prefetch_row(const IndexerFwdParams& p, const CtaProblem& c, int resident) {
+template <class Params>
+__device__ __forceinline__ void prefetch_row(const Params& p, const CtaProblem& c, int resident) {
   const int64_t row_bytes = int64_t(p.topk) * 4;
   const int64_t size = int64_t(p.batch) * p.s_q * row_bytes;
   prefetch_to_l2(p.indices, size, c.row * row_bytes, (c.row + 1) * row_bytes);
@@ -199,22 +201,35 @@ __device__ __forceinline__ void add_weighted_relu(const Acc& acc, const TileWeig
   for (int rh = 0; rh < 2; ++rh) partial[rh] += even[rh] + odd[rh];
 }
 
-// The logits of one block of 64 slots: acc = K_block . Q_tile^T per head tile,
-// weighted relu row sums added up over the head tiles. The block's kDimTiles
-// stages stay resident until its last head tile's WGMMAs are done.
-template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
-                                             const FragB& tB, Acc& acc, const CtaProblem& c, int consumer,
-                                             RingPos<Cfg::kStages>& pos, int lane,
-                                             const TileWeights<Cfg>& first_tile_weights, float (&partial)[2]) {
-  using Ring = typename Cfg::Ring;
-  int stage[Cfg::kDimTiles];
+// Waits for the kDimTiles stages of a consumer's next block; they stay
+// resident until release_block.
+template <class Cfg>
+__device__ __forceinline__ void acquire_block(typename Cfg::SharedMemoryPlan& plan, int consumer,
+                                              RingPos<Cfg::kStages>& pos, int (&stage)[Cfg::kDimTiles]) {
   CUTE_UNROLL
   for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
     stage[dt] = pos.stage;
-    wait_stage_full<Ring>(plan.ring, consumer, pos);
+    wait_stage_full<typename Cfg::Ring>(plan.ring, consumer, pos);
     pos.advance();
   }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void release_block(typename Cfg::SharedMemoryPlan& plan, int consumer,
+                                              const int (&stage)[Cfg::kDimTiles], int lane) {
+  CUTE_UNROLL
+  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) release_stage<typename Cfg::Ring>(plan.ring, consumer, stage[dt], lane);
+}
+
+// The logits of one block of 64 slots: acc = K_block . Q_tile^T per head tile,
+// weighted relu row sums added up over the head tiles (partial[rh]: the
+// unscaled logit of the thread's row rh, the same in all 4 lanes of a quad).
+// On return acc holds the last head tile's z.
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
+                                             const FragB& tB, Acc& acc, const CtaProblem& c,
+                                             const int (&stage)[Cfg::kDimTiles], int lane,
+                                             const TileWeights<Cfg>& first_tile_weights, float (&partial)[2]) {
   partial[0] = partial[1] = 0.f;
   CUTE_NO_UNROLL
   for (int ht = 0; ht < c.num_head_tiles; ++ht) {
@@ -240,9 +255,10 @@ __device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& pla
       add_weighted_relu<Cfg>(acc, weights, partial);
     }
   }
-  CUTE_UNROLL
-  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) release_stage<Ring>(plan.ring, consumer, stage[dt], lane);
-  // The 4 lanes of a quad hold the row's other columns: a fixed-order butterfly.
+}
+
+// The 4 lanes of a quad hold a row's other columns: a fixed-order butterfly.
+__device__ __forceinline__ void quad_sum(float (&partial)[2]) {
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
     partial[rh] += __shfl_xor_sync(0xffffffffu, partial[rh], 1);
@@ -293,7 +309,11 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
     for (int a = 0; a + 1 < kSlotLookahead; ++a) ahead_index[a] = ahead_index[a + 1], ahead_target[a] = ahead_target[a + 1];
     load_slot(block + kSlotLookahead * kNumConsumers, ahead_index[kSlotLookahead - 1], ahead_target[kSlotLookahead - 1]);
     float partial[2];
-    block_logits<Cfg>(plan, mma, tA, tB, acc, c, consumer, pos, lane, first_tile_weights, partial);
+    int stage[Cfg::kDimTiles];
+    acquire_block<Cfg>(plan, consumer, pos, stage);
+    block_logits<Cfg>(plan, mma, tA, tB, acc, c, stage, lane, first_tile_weights, partial);
+    release_block<Cfg>(plan, consumer, stage, lane);
+    quad_sum(partial);
     if (owner && c.slots.key_if_valid(index) >= 0) state.add(p.scale * (rh == 0 ? partial[0] : partial[1]), target);
   }
   // Combine: the warp's 32 lanes by a fixed butterfly, then the consumer

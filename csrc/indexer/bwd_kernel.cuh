@@ -1,0 +1,336 @@
+// The SM90 indexer_kl backward kernel and its host launcher (the plan is in
+// bwd_config.h).
+//
+// One CTA per query row (b, s); 2 warpgroups:
+//   WG0  consumer. First the row's target mass tau (a fixed-order sum over its
+//        valid slots). Then per block of 64 slots: z and the logits as in the
+//        forward (kernel.cuh), dl = g (exp(logit - lse) tau - t), dz and the
+//        three gradient GEMMs; the block's dK rows go to d_index_k by vector
+//        float32 atomics. At the end dQ and d weights are written once.
+//   WG1  producer: the forward's gather pipeline and index_q TMA load.
+// d index_q and d weights have one writer and a fixed summation order: they
+// are deterministic. d index_k's atomics are not ordered.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "bwd_config.h"
+#include "kernel.cuh"
+
+namespace attn_dist {
+namespace indexer {
+
+using namespace cute;
+
+// The producer loads slot indices one block ahead (the forward: two). A
+// backward block is three GEMMs long, the ring holds several blocks, and two
+// blocks of indices would not fit BwdConfig::kProducerRegs.
+constexpr int kProducerLookahead = 1;
+
+// The row's target mass tau = sum of target over its valid slots with
+// target > 0 (SPEC §5.2), each thread a strided share, then the warps'
+// butterflies and the 4 warps in order: the same value in every thread.
+template <class Cfg>
+__device__ __forceinline__ float row_target_mass(typename Cfg::SharedMemoryPlan& plan, const IndexerBwdParams& p,
+                                                 const CtaProblem& c, int thread_in_wg) {
+  const float* target_row = p.target + c.row * p.topk;
+  float tau = 0.f;
+#pragma unroll 4
+  for (int t = thread_in_wg; t < p.topk; t += kWarpgroupThreads) {
+    const float x = __ldg(target_row + t);
+    if (c.slots.key_if_valid(c.slots.load(t)) >= 0 && x > 0.f) tau += x;
+  }
+  CUTE_UNROLL
+  for (int mask = 16; mask >= 1; mask >>= 1) tau += __shfl_xor_sync(0xffffffffu, tau, mask);
+  if (thread_in_wg % 32 == 0) plan.tau[thread_in_wg / 32] = tau;
+  consumer_sync();
+  float total = 0.f;
+  CUTE_UNROLL
+  for (int w = 0; w < kConsumerWarps; ++w) total += plan.tau[w];
+  return total;
+}
+
+// Adds a block's dK rows (acc: 64 keys x DI, WGMMA C layout) to d_index_k.
+// Lanes q and q^1 of a quad swap halves so that each holds 4 consecutive
+// dims of one row: one 16-byte red.global.add.v4.f32 per 8 dims, and the two
+// lanes of a pair cover a whole 32-byte sector.
+template <int DI, class Acc>
+__device__ __forceinline__ void scatter_dk_rows(const Acc& acc, float* d_keys, const int32_t (&key)[2], int lane) {
+  const int q = lane % 4;
+  const bool odd = q & 1;
+  const int32_t row_key = odd ? key[1] : key[0];
+  float* dst = d_keys + int64_t(row_key >= 0 ? row_key : 0) * DI + 2 * (q & 2);
+  CUTE_UNROLL
+  for (int j = 0; j < DI / 8; ++j) {
+    const float2 mine0 = make_float2(acc(4 * j), acc(4 * j + 1));      // row rh = 0
+    const float2 mine1 = make_float2(acc(4 * j + 2), acc(4 * j + 3));  // row rh = 1
+    const float2 send = odd ? mine0 : mine1;
+    const float2 recv = make_float2(__shfl_xor_sync(0xffffffffu, send.x, 1), __shfl_xor_sync(0xffffffffu, send.y, 1));
+    const float4 v = odd ? make_float4(recv.x, recv.y, mine1.x, mine1.y) : make_float4(mine0.x, mine0.y, recv.x, recv.y);
+    if (row_key >= 0)
+      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst + 8 * j), "f"(v.x), "f"(v.y), "f"(v.z),
+                   "f"(v.w)
+                   : "memory");
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPlan& plan, const IndexerBwdParams& p,
+                                                   const CtaProblem& c, int thread_in_wg) {
+  constexpr int HT = Cfg::HT;
+  constexpr int DI = Cfg::DI;
+  constexpr int kDimTiles = Cfg::kDimTiles;
+  constexpr int consumer = 0;
+  const int warp = thread_in_wg / 32;
+  const int lane = thread_in_wg % 32;
+  const int q = lane % 4;
+
+  // z = K . Q^T, as in the forward.
+  typename Cfg::TiledMma z_mma;
+  auto z_thr = z_mma.get_slice(thread_in_wg);
+  Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(plan.k[consumer]), typename Cfg::Ring::SmemLayout{});
+  Tensor tA = z_thr.partition_fragment_A(sK);
+  Tensor tB = z_thr.partition_fragment_B(sQ);
+  Tensor acc_z = partition_fragment_C(z_mma, Shape<Int<kBlockTopk>, Int<HT>>{});
+
+  // dQ^T[dim tile] += K_stage^T . dz
+  typename Cfg::DqMma dq_mma;
+  dq_mma.accumulate_ = GMMA::ScaleOut::One;
+  auto dq_thr = dq_mma.get_slice(thread_in_wg);
+  Tensor sKmn = make_tensor(make_smem_ptr(plan.k[consumer]), typename Cfg::SmemLayoutKmn{});
+  Tensor sDz = make_tensor(make_smem_ptr(plan.dz), typename Cfg::SmemLayoutDz{});
+  Tensor tAk = dq_thr.partition_fragment_A(sKmn);
+  Tensor tBdz = dq_thr.partition_fragment_B(sDz);
+  using AccDq = decltype(partition_fragment_C(dq_mma, Shape<Int<kDimTile>, Int<HT>>{}));
+  AccDq acc_dq[kDimTiles];
+  CUTE_UNROLL
+  for (int dt = 0; dt < kDimTiles; ++dt) {
+    acc_dq[dt] = partition_fragment_C(dq_mma, Shape<Int<kDimTile>, Int<HT>>{});
+    clear(acc_dq[dt]);
+  }
+
+  // dK = dz . Q, dz from registers (the WGMMA A layout of a 64 x HT tile is
+  // the C layout of z: value 8kb + 4jj + 2rh + e is column 16kb + 8jj + 2q + e).
+  typename Cfg::DkMma dk_mma;
+  auto dk_thr = dk_mma.get_slice(thread_in_wg);
+  Tensor sQmn = make_tensor(make_smem_ptr(plan.q), typename Cfg::SmemLayoutQmn{});
+  Tensor tBq = dk_thr.partition_fragment_B(sQmn);
+  Tensor tAdz = make_tensor<bf16>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<HT / 16>>>{});
+  Tensor acc_dk = partition_fragment_C(dk_mma, Shape<Int<kBlockTopk>, Int<DI>>{});
+  static_assert(size(tAdz) == size(acc_z), "dz's A fragment holds z's values");
+
+  const float g = p.g[c.row];
+  const float lse = p.lse[c.row];
+  const float tau = row_target_mass<Cfg>(plan, p, c, thread_in_wg);
+  // A row with no target mass (or no valid slot) has all-zero gradients.
+  const float g_live = tau > 0.f && lse > -INFINITY ? g : 0.f;
+
+  // The thread's two rows of each block: slot block*64 + r0 + 8 rh.
+  const int r0 = 16 * warp + lane / 4;
+  const float* target_row = p.target + c.row * p.topk;
+  int32_t ahead_index[kSlotLookahead][2];
+  float ahead_target[kSlotLookahead][2];
+  auto load_slots = [&](int block, int32_t (&index)[2], float (&target)[2]) {
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const int t = block * kBlockTopk + r0 + 8 * rh;
+      index[rh] = c.slots.load(t);  // -1 past T
+      target[rh] = t < p.topk ? __ldg(target_row + t) : 0.f;
+    }
+  };
+  CUTE_UNROLL
+  for (int a = 0; a < kSlotLookahead; ++a) load_slots(a, ahead_index[a], ahead_target[a]);
+
+  float2 dw[HT / 8];
+  CUTE_UNROLL
+  for (int j = 0; j < HT / 8; ++j) dw[j] = make_float2(0.f, 0.f);
+
+  float* d_keys = p.d_index_k + int64_t(c.batch) * p.s_kv * DI;
+  RingPos<Cfg::kStages> pos;
+  const int num_blocks = c.slots.num_blocks();
+  cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready, 0);
+  for (int block = 0; block < num_blocks; ++block) {
+    int32_t key[2];
+    float t[2];
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      key[rh] = c.slots.key_if_valid(ahead_index[0][rh]);
+      t[rh] = key[rh] >= 0 && ahead_target[0][rh] > 0.f ? ahead_target[0][rh] : 0.f;
+    }
+    CUTE_UNROLL
+    for (int a = 0; a + 1 < kSlotLookahead; ++a)
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh) ahead_index[a][rh] = ahead_index[a + 1][rh], ahead_target[a][rh] = ahead_target[a + 1][rh];
+    load_slots(block + kSlotLookahead, ahead_index[kSlotLookahead - 1], ahead_target[kSlotLookahead - 1]);
+
+    int stage[kDimTiles];
+    acquire_block<Cfg>(plan, consumer, pos, stage);
+    // The weights come from shared memory each block: 16 registers fewer
+    // than the forward's loop-invariant copy, which the accumulators need.
+    TileWeights<Cfg> weights;
+    weights.load(plan.weights, lane);
+    float partial[2];
+    block_logits<Cfg>(plan, z_mma, tA, tB, acc_z, c, stage, lane, weights, partial);
+    quad_sum(partial);
+
+    // dl, then dz = dl * scale * w * [z > 0] and d w += dl * relu(z).
+    float dl[2], dl_scaled[2];
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      dl[rh] = key[rh] >= 0 ? g_live * (exp_approx(p.scale * partial[rh] - lse) * tau - t[rh]) : 0.f;
+      dl_scaled[rh] = dl[rh] * p.scale;
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < HT / 8; ++j) {
+      const float2 w = weights.w[j];
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh) {
+        const float z0 = acc_z(4 * j + 2 * rh), z1 = acc_z(4 * j + 2 * rh + 1);
+        dw[j].x = fmaf(dl[rh], fmaxf(z0, 0.f), dw[j].x);
+        dw[j].y = fmaf(dl[rh], fmaxf(z1, 0.f), dw[j].y);
+        const bf16 dz0 = bf16(z0 > 0.f ? dl_scaled[rh] * w.x : 0.f);
+        const bf16 dz1 = bf16(z1 > 0.f ? dl_scaled[rh] * w.y : 0.f);
+        tAdz(4 * j + 2 * rh) = dz0;
+        tAdz(4 * j + 2 * rh + 1) = dz1;
+        // dz[key r0 + 8 rh, heads 8j + 2q, +1] for dQ's GEMM: adjacent in the MN-major tile.
+        __nv_bfloat162 pair;
+        pair.x = dz0.to_nv_bfloat16();
+        pair.y = dz1.to_nv_bfloat16();
+        *reinterpret_cast<__nv_bfloat162*>(&sDz(8 * j + 2 * q, r0 + 8 * rh)) = pair;
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // dz's generic-proxy stores, before WGMMA reads them
+    consumer_sync();
+
+    CUTE_UNROLL
+    for (int dt = 0; dt < kDimTiles; ++dt) warpgroup_fence_operand(acc_dq[dt]);
+    warpgroup_fence_operand(acc_dk);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int dt = 0; dt < kDimTiles; ++dt)
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tAk); ++kb) cute::gemm(dq_mma, tAk(_, _, kb, stage[dt]), tBdz(_, _, kb), acc_dq[dt]);
+    dk_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tAdz); ++kb) {
+      cute::gemm(dk_mma, tAdz(_, _, kb), tBq(_, _, kb), acc_dk);
+      dk_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    CUTE_UNROLL
+    for (int dt = 0; dt < kDimTiles; ++dt) warpgroup_fence_operand(acc_dq[dt]);
+    warpgroup_fence_operand(acc_dk);
+    release_block<Cfg>(plan, consumer, stage, lane);
+    scatter_dk_rows<DI>(acc_dk, d_keys, key, lane);
+    // The next block's dz stores must not overtake this block's WGMMA reads
+    // of sDz in any warp: every warp has passed its wait above.
+    consumer_sync();
+  }
+
+  // d weights: the quad's column sums over the warp's rows (fixed butterfly),
+  // then the 4 warps in order.
+  CUTE_UNROLL
+  for (int j = 0; j < HT / 8; ++j)
+    CUTE_UNROLL
+    for (int mask = 4; mask < 32; mask <<= 1) {
+      dw[j].x += __shfl_xor_sync(0xffffffffu, dw[j].x, mask);
+      dw[j].y += __shfl_xor_sync(0xffffffffu, dw[j].y, mask);
+    }
+  if (lane < 4)
+    CUTE_UNROLL
+    for (int j = 0; j < HT / 8; ++j) {
+      plan.dw[warp][8 * j + 2 * q] = dw[j].x;
+      plan.dw[warp][8 * j + 2 * q + 1] = dw[j].y;
+    }
+  consumer_sync();
+  if (thread_in_wg < p.h_idx) {
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int w = 0; w < kConsumerWarps; ++w) sum += plan.dw[w][thread_in_wg];
+    p.d_weights[c.row * p.h_idx + thread_in_wg] = sum * p.scale;
+  }
+
+  // d index_q[row, h, d] from dQ^T[d, h]: value 4j + 2rh + e of dim tile dt is
+  // dim 64 dt + r0 + 8 rh, head 8j + 2q + e.
+  bf16* d_q = static_cast<bf16*>(p.d_index_q) + c.row * p.h_idx * DI;
+  CUTE_UNROLL
+  for (int dt = 0; dt < kDimTiles; ++dt)
+    CUTE_UNROLL
+    for (int j = 0; j < HT / 8; ++j)
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh)
+        CUTE_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const int h = 8 * j + 2 * q + e;
+          if (h < p.h_idx) d_q[h * DI + dt * kDimTile + r0 + 8 * rh] = bf16(acc_dq[dt](4 * j + 2 * rh + e));
+        }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, Cfg::kCtasPerSm)
+    indexer_bwd_kernel(const __grid_constant__ IndexerBwdParams params, const __grid_constant__ TmaParams tma) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Plan = typename Cfg::SharedMemoryPlan;
+  extern __shared__ char smem_raw[];
+  Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
+                                        ~uintptr_t(kSmemAlign - 1));
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
+  const CtaProblem cta = locate_cta<Cfg>(params);
+
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&plan.q_ready, 1);
+    Cfg::Ring::init(plan.ring);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == kNumConsumers) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (thread_in_wg == 0) {
+      prefetch_row(params, cta, num_sms() * Cfg::kCtasPerSm);
+      cute::prefetch_tma_descriptor(&tma.q);
+      load_q_by_tma<Cfg>(plan, tma, cta);
+    }
+    const bf16* keys = static_cast<const bf16*>(params.index_k) + int64_t(cta.batch) * params.s_kv * Cfg::DI;
+    gather_key_blocks<typename Cfg::Ring, Cfg::DI, kProducerLookahead>(plan.k[0], plan.ring, cta.slots, keys, 0,
+                                                                   thread_in_wg);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    const float* weights_row = params.weights + cta.row * params.h_idx;
+    for (int h = thread_in_wg; h < Cfg::kMaxHeads; h += kWarpgroupThreads)
+      plan.weights[h] = h < params.h_idx ? __ldg(weights_row + h) : 0.f;
+    consumer_sync();
+    consume_blocks_bwd<Cfg>(plan, params, cta, thread_in_wg);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
+template <class Cfg>
+LaunchStatus run_bwd_variant(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
+  if (p.batch < 1 || p.s_q < 1 || p.topk < 0 || p.h_idx < 1 || p.h_idx > Cfg::kMaxHeads || p.s_kv < 0) {
+    *detail = "empty or invalid problem (B, S >= 1, T >= 0, 1 <= HI <= the variant's heads): nothing to launch";
+    return LaunchStatus::kInvalidProblem;
+  }
+  TmaParams tma{};
+  if (LaunchStatus s = encode_head_tile_map(&tma.q, p.index_q, Cfg::DI, p.h_idx, p.s_q, p.batch, Cfg::HT, detail);
+      s != LaunchStatus::kOk)
+    return s;
+  return launch_kernel(&indexer_bwd_kernel<Cfg>, int64_t(p.batch) * p.s_q, kThreads, Cfg::kSmemBytes, stream,
+                       detail, p, tma);
+}
+
+}  // namespace indexer
+}  // namespace attn_dist
+
+#define INDEXER_BWD_INSTANTIATE(DI, HT)                                                                     \
+  template attn_dist::LaunchStatus attn_dist::indexer::run_bwd_variant<attn_dist::indexer::BwdConfig<DI, HT>>( \
+      const attn_dist::IndexerBwdParams&, cudaStream_t, const char**);
