@@ -11,8 +11,9 @@
 //                     K stage is read in place, dz is stored once)
 //   dK[key, dim]     = dz[key, head] . Q[head, dim]         (64 x DI x HT: dz from
 //                     registers, Q's tiles read MN-major in place)
-// and the dK rows are added to d_index_k with vector float32 atomics. dQ and
-// d weights stay in registers over the whole row and are written once.
+// and the dK rows, staged in shared memory, are added to d_index_k by bulk
+// asynchronous reductions (one per key row, DI float32 sums done in L2). dQ
+// and d weights stay in registers over the whole row and are written once.
 //
 // Served: DI in {64, 128}, 1 <= HI <= 64 (one head tile: dQ's accumulators
 // of every head tile would not fit the registers).
@@ -70,10 +71,15 @@ struct BwdConfig {
   static constexpr int kConsumerRegs = HT == 64 ? 224 : 216;
   static_assert(kCtasPerSm * kWarpgroupThreads * (kProducerRegs + kConsumerRegs) <= 64 * 1024, "registers");
   static constexpr int kSmemBudget = smem_budget(kCtasPerSm);
-  static constexpr int kMiscBytes = 1024;  // barriers, weights, the reductions' scratch (rounded up)
+  static constexpr int kMiscBytes = 2048;  // barriers, weights, keys, the reductions' scratch (rounded up)
   static constexpr int kDzBytes = HT * kBlockTopk * int(sizeof(bf16));
+  // A block's dK rows, float32, each row contiguous (a bulk reduction's
+  // source) and padded by 32 bytes: the 8 rows a warp's float2 stores touch
+  // then fall on 4 distinct bank groups (2 wavefronts, the minimum).
+  static constexpr int kDkRowFloats = DI + 8;
+  static constexpr int kDkStageBytes = kBlockTopk * kDkRowFloats * int(sizeof(float));
   static constexpr int kStages =
-      (kSmemBudget - kSmemAlign - kQBytes - kDzBytes - kMiscBytes) / (64 * kDimTile * 2);
+      (kSmemBudget - kSmemAlign - kQBytes - kDzBytes - kDkStageBytes - kMiscBytes) / (64 * kDimTile * 2);
   static_assert(kStages >= 2 * kDimTiles, "two blocks must fit in the ring");
   using Ring = GatherRing<kStages, kNumConsumers>;
 
@@ -97,6 +103,8 @@ struct BwdConfig {
     alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
     alignas(kSmemAlign) bf16 k[kNumConsumers][Ring::kRingElems];
     alignas(kSmemAlign) bf16 dz[cute::cosize_v<SmemLayoutDz>];
+    alignas(128) float dk[kBlockTopk][kDkRowFloats];  // the block's dK rows, reduced into d_index_k
+    int32_t row_key[kBlockTopk];             // their keys (-1: invalid slot, no reduction)
     typename Ring::Barriers ring;
     uint64_t q_ready;
     float weights[kMaxHeads];                // the row's weights, 0 past HI

@@ -5,11 +5,12 @@
 //   WG0  consumer. First the row's target mass tau (a fixed-order sum over its
 //        valid slots). Then per block of 64 slots: z and the logits as in the
 //        forward (kernel.cuh), dl = g (exp(logit - lse) tau - t), dz and the
-//        three gradient GEMMs; the block's dK rows go to d_index_k by vector
-//        float32 atomics. At the end dQ and d weights are written once.
+//        three gradient GEMMs; the block's dK rows are staged in shared
+//        memory and added to d_index_k by bulk reductions (float32 adds in
+//        L2). At the end dQ and d weights are written once.
 //   WG1  producer: the forward's gather pipeline and index_q TMA load.
 // d index_q and d weights have one writer and a fixed summation order: they
-// are deterministic. d index_k's atomics are not ordered.
+// are deterministic. d index_k's reductions are not ordered.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,9 @@ using namespace cute;
 // backward block is three GEMMs long, the ring holds several blocks, and two
 // blocks of indices would not fit BwdConfig::kProducerRegs.
 constexpr int kProducerLookahead = 1;
+// Likewise the consumer's slot indices and targets: one block ahead is more
+// than a memory round trip, and the registers are spoken for.
+constexpr int kBwdSlotLookahead = 1;
 
 // The row's target mass tau = sum of target over its valid slots with
 // target > 0 (SPEC §5.2), each thread a strided share, then the warps'
@@ -54,29 +58,34 @@ __device__ __forceinline__ float row_target_mass(typename Cfg::SharedMemoryPlan&
   return total;
 }
 
-// Adds a block's dK rows (acc: 64 keys x DI, WGMMA C layout) to d_index_k.
-// Lanes q and q^1 of a quad swap halves so that each holds 4 consecutive
-// dims of one row: one 16-byte red.global.add.v4.f32 per 8 dims, and the two
-// lanes of a pair cover a whole 32-byte sector.
-template <int DI, class Acc>
-__device__ __forceinline__ void scatter_dk_rows(const Acc& acc, float* d_keys, const int32_t (&key)[2], int lane) {
-  const int q = lane % 4;
-  const bool odd = q & 1;
-  const int32_t row_key = odd ? key[1] : key[0];
-  float* dst = d_keys + int64_t(row_key >= 0 ? row_key : 0) * DI + 2 * (q & 2);
+// A block's dK rows (acc: 64 keys x DI, WGMMA C layout: value 4j + 2rh + e
+// is row r0 + 8rh, dim 8j + 2q + e) into the shared staging rows, and the
+// rows' keys (the quad's lane 0 knows them).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void stage_dk_rows(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
+                                              const int32_t (&key)[2], int r0, int q) {
   CUTE_UNROLL
-  for (int j = 0; j < DI / 8; ++j) {
-    const float2 mine0 = make_float2(acc(4 * j), acc(4 * j + 1));      // row rh = 0
-    const float2 mine1 = make_float2(acc(4 * j + 2), acc(4 * j + 3));  // row rh = 1
-    const float2 send = odd ? mine0 : mine1;
-    const float2 recv = make_float2(__shfl_xor_sync(0xffffffffu, send.x, 1), __shfl_xor_sync(0xffffffffu, send.y, 1));
-    const float4 v = odd ? make_float4(recv.x, recv.y, mine1.x, mine1.y) : make_float4(mine0.x, mine0.y, recv.x, recv.y);
-    if (row_key >= 0)
-      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst + 8 * j), "f"(v.x), "f"(v.y), "f"(v.z),
-                   "f"(v.w)
-                   : "memory");
-  }
+  for (int j = 0; j < Cfg::DI / 8; ++j)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh)
+      *reinterpret_cast<float2*>(&plan.dk[r0 + 8 * rh][8 * j + 2 * q]) =
+          make_float2(acc(4 * j + 2 * rh), acc(4 * j + 2 * rh + 1));
+  if (q == 0) plan.row_key[r0] = key[0], plan.row_key[r0 + 8] = key[1];
 }
+
+// One staged row added to d_index_k[key, :]: a bulk reduction, done by the
+// copy engine and L2 (full 128-byte lines), tracked by the issuing thread's
+// bulk group.
+__device__ __forceinline__ void reduce_row_async(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+               "r"(uint32_t(__cvta_generic_to_shared(src))), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void commit_reductions() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// The thread's reductions have read their shared source (it may be rewritten).
+__device__ __forceinline__ void wait_reductions_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// The thread's reductions are complete.
+__device__ __forceinline__ void wait_reductions() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 template <class Cfg>
 __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPlan& plan, const IndexerBwdParams& p,
@@ -133,8 +142,8 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
   // The thread's two rows of each block: slot block*64 + r0 + 8 rh.
   const int r0 = 16 * warp + lane / 4;
   const float* target_row = p.target + c.row * p.topk;
-  int32_t ahead_index[kSlotLookahead][2];
-  float ahead_target[kSlotLookahead][2];
+  int32_t ahead_index[kBwdSlotLookahead][2];
+  float ahead_target[kBwdSlotLookahead][2];
   auto load_slots = [&](int block, int32_t (&index)[2], float (&target)[2]) {
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
@@ -144,13 +153,14 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
     }
   };
   CUTE_UNROLL
-  for (int a = 0; a < kSlotLookahead; ++a) load_slots(a, ahead_index[a], ahead_target[a]);
+  for (int a = 0; a < kBwdSlotLookahead; ++a) load_slots(a, ahead_index[a], ahead_target[a]);
 
   float2 dw[HT / 8];
   CUTE_UNROLL
   for (int j = 0; j < HT / 8; ++j) dw[j] = make_float2(0.f, 0.f);
 
   float* d_keys = p.d_index_k + int64_t(c.batch) * p.s_kv * DI;
+  const bool reducer = lane < 16;  // lane l of warp w reduces the block's row 16w + l
   RingPos<Cfg::kStages> pos;
   const int num_blocks = c.slots.num_blocks();
   cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready, 0);
@@ -163,10 +173,10 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
       t[rh] = key[rh] >= 0 && ahead_target[0][rh] > 0.f ? ahead_target[0][rh] : 0.f;
     }
     CUTE_UNROLL
-    for (int a = 0; a + 1 < kSlotLookahead; ++a)
+    for (int a = 0; a + 1 < kBwdSlotLookahead; ++a)
       CUTE_UNROLL
       for (int rh = 0; rh < 2; ++rh) ahead_index[a][rh] = ahead_index[a + 1][rh], ahead_target[a][rh] = ahead_target[a + 1][rh];
-    load_slots(block + kSlotLookahead, ahead_index[kSlotLookahead - 1], ahead_target[kSlotLookahead - 1]);
+    load_slots(block + kBwdSlotLookahead, ahead_index[kBwdSlotLookahead - 1], ahead_target[kBwdSlotLookahead - 1]);
 
     int stage[kDimTiles];
     acquire_block<Cfg>(plan, consumer, pos, stage);
@@ -205,6 +215,9 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
       }
     }
     cutlass::arch::fence_view_async_shared();  // dz's generic-proxy stores, before WGMMA reads them
+    // The previous block's reductions have read the dK staging rows, which
+    // this block rewrites after the sync.
+    if (reducer) wait_reductions_read();
     consumer_sync();
 
     CUTE_UNROLL
@@ -227,11 +240,19 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
     for (int dt = 0; dt < kDimTiles; ++dt) warpgroup_fence_operand(acc_dq[dt]);
     warpgroup_fence_operand(acc_dk);
     release_block<Cfg>(plan, consumer, stage, lane);
-    scatter_dk_rows<DI>(acc_dk, d_keys, key, lane);
-    // The next block's dz stores must not overtake this block's WGMMA reads
-    // of sDz in any warp: every warp has passed its wait above.
+    stage_dk_rows<Cfg>(plan, acc_dk, key, r0, q);
+    cutlass::arch::fence_view_async_shared();  // the staging stores, before the copy engine reads them
+    // All warps are past their WGMMA waits here, so the next block's dz
+    // stores cannot overtake this block's reads of sDz either.
     consumer_sync();
+    if (reducer) {
+      const int r = 16 * warp + lane;
+      const int32_t row_key = plan.row_key[r];
+      if (row_key >= 0) reduce_row_async(d_keys + int64_t(row_key) * DI, plan.dk[r], DI * int(sizeof(float)));
+      commit_reductions();
+    }
   }
+  if (reducer) wait_reductions();  // the staging rows live in this CTA's shared memory
 
   // d weights: the quad's column sums over the warp's rows (fixed butterfly),
   // then the 4 warps in order.
