@@ -219,9 +219,14 @@ def indexer_kl_oracle(index_q, index_k, weights, indices, target, *, scale=1.0, 
 
 
 def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale=1.0, causal=True,
-                         q_start_index=0, k_stride=1):
+                         q_start_index=0, k_stride=1, magnitudes=False):
     """float64 gradients (d index_q, d index_k, d weights) of sum_s g(s) kl(s)
-    per SPEC §5.3's formulas (g [B?, S])."""
+    per SPEC §5.3's formulas (g [B?, S]).
+
+    ``magnitudes=True`` also returns, per gradient element, the sum of the
+    absolute values of its terms (|dz| |k|, |dz| |q|, scale |dl| relu(z)):
+    the scale of the rounding error a computation of those sums can make
+    (SPEC §3.2's bound for the backward kernel)."""
     batched, iq, ik, w, idx, tg, q_start = _indexer_prepare(index_q, index_k, weights, indices, target,
                                                             q_start_index)
     gg = np.asarray(g).astype(np.float64)
@@ -230,6 +235,7 @@ def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale
     B, S = iq.shape[:2]
     N = ik.shape[1]
     d_iq, d_ik, d_w = np.zeros_like(iq), np.zeros_like(ik), np.zeros_like(w)
+    m_iq, m_ik, m_w = np.zeros_like(iq), np.zeros_like(ik), np.zeros_like(w)
     valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)[:, :, 0, :]
     for b in range(B):
         if S == 0 or idx.shape[-1] == 0:
@@ -245,8 +251,15 @@ def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale
         contrib = np.einsum("sht,shd->std", dz, iq[b])                               # [S, T, DI]
         keys = idx[b][:, 0, :]
         np.add.at(d_ik[b], keys[v], contrib[v])
+        if magnitudes:
+            m_w[b] = scale * np.einsum("st,sht->sh", np.abs(dl), np.maximum(z, 0.0))
+            m_iq[b] = np.einsum("sht,std->shd", np.abs(dz), np.abs(kg))
+            np.add.at(m_ik[b], keys[v], np.einsum("sht,shd->std", np.abs(dz), np.abs(iq[b]))[v])
     if not batched:
         d_iq, d_ik, d_w = d_iq[0], d_ik[0], d_w[0]
+        m_iq, m_ik, m_w = m_iq[0], m_ik[0], m_w[0]
+    if magnitudes:
+        return (d_iq, d_ik, d_w), (m_iq, m_ik, m_w)
     return d_iq, d_ik, d_w
 
 
