@@ -226,7 +226,10 @@ def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale
     ``magnitudes=True`` also returns, per gradient element, the sum of the
     absolute values of its terms (|dz| |k|, |dz| |q|, scale |dl| relu(z)):
     the scale of the rounding error a computation of those sums can make
-    (SPEC §3.2's bound for the backward kernel)."""
+    (SPEC §3.2's bound for the backward kernel); and the sum of the terms
+    whose relu mask [z > 0] is ambiguous, |z| <= 2^-14 sum_d |q_d k_d|: a
+    float32 z may fall on either side of 0 there, switching that whole term
+    of d index_q and d index_k on or off. Returns (grads, mags, ambiguous)."""
     batched, iq, ik, w, idx, tg, q_start = _indexer_prepare(index_q, index_k, weights, indices, target,
                                                             q_start_index)
     gg = np.asarray(g).astype(np.float64)
@@ -236,6 +239,7 @@ def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale
     N = ik.shape[1]
     d_iq, d_ik, d_w = np.zeros_like(iq), np.zeros_like(ik), np.zeros_like(w)
     m_iq, m_ik, m_w = np.zeros_like(iq), np.zeros_like(ik), np.zeros_like(w)
+    a_iq, a_ik = np.zeros_like(iq), np.zeros_like(ik)
     valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)[:, :, 0, :]
     for b in range(B):
         if S == 0 or idx.shape[-1] == 0:
@@ -255,11 +259,17 @@ def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale
             m_w[b] = scale * np.einsum("st,sht->sh", np.abs(dl), np.maximum(z, 0.0))
             m_iq[b] = np.einsum("sht,std->shd", np.abs(dz), np.abs(kg))
             np.add.at(m_ik[b], keys[v], np.einsum("sht,shd->std", np.abs(dz), np.abs(iq[b]))[v])
+            z_mag = np.einsum("shd,std->sht", np.abs(iq[b]), np.abs(kg))
+            ambiguous = np.abs(z) <= 2.0 ** -14 * z_mag
+            dz_amb = np.where(ambiguous, np.abs(dl)[:, None, :] * scale * np.abs(w[b])[:, :, None], 0.0)
+            a_iq[b] = np.einsum("sht,std->shd", dz_amb, np.abs(kg))
+            np.add.at(a_ik[b], keys[v], np.einsum("sht,shd->std", dz_amb, np.abs(iq[b]))[v])
     if not batched:
         d_iq, d_ik, d_w = d_iq[0], d_ik[0], d_w[0]
         m_iq, m_ik, m_w = m_iq[0], m_ik[0], m_w[0]
+        a_iq, a_ik = a_iq[0], a_ik[0]
     if magnitudes:
-        return (d_iq, d_ik, d_w), (m_iq, m_ik, m_w)
+        return (d_iq, d_ik, d_w), (m_iq, m_ik, m_w), (a_iq, a_ik, np.zeros_like(m_w))
     return d_iq, d_ik, d_w
 
 

@@ -136,7 +136,8 @@ def sweep_cases(count: int = 40, seed: int = 2027):
 
 #: The backward kernel's gradients against float64 (SPEC §3.2), per element:
 #: |err| <= BWD_TOLERANCE * (the sum of the absolute values of its terms)
-#: + 1e-6 max |ref|. dz is rounded to bfloat16 for the GEMMs (2^-9 of each
+#: + the terms whose relu mask is ambiguous (|z| ~ 0: the kernel's float32 z
+#: and float64 may disagree on its sign) + 1e-6 max |ref|. dz is rounded to bfloat16 for the GEMMs (2^-9 of each
 #: term at most) and d index_q / d index_k are returned in bfloat16 (2^-9 of
 #: the value): 2^-8 in all; the bound allows twice that.
 BWD_TOLERANCE = 2.0 ** -7
@@ -178,17 +179,17 @@ def check_bwd_case(case: Case):
     g = bwd_cotangent(case)
     dq, dw, dk = run_bwd_kernel(inputs, kwargs, lse, g)
     index_q, index_k, weights, indices, target, q_start = inputs
-    want, mags = oracle.indexer_grads_oracle(index_q, index_k, weights, indices, target, g, scale=case.scale,
+    want, mags, ambiguous = oracle.indexer_grads_oracle(index_q, index_k, weights, indices, target, g, scale=case.scale,
                                              causal=case.causal, q_start_index=q_start, k_stride=case.k_stride,
                                              magnitudes=True)
-    for name, got, ref, mag in zip(("d_index_q", "d_index_k", "d_weights"), (dq, dk, dw), want, mags):
+    for name, got, ref, mag, amb in zip(("d_index_q", "d_index_k", "d_weights"), (dq, dk, dw), want, mags, ambiguous):
         assert np.isfinite(got).all(), f"{case.name}: {name} unwritten or non-finite"
         top = np.abs(ref).max() if ref.size else 0.0
         if top == 0:
             assert np.all(got == 0), f"{case.name}: {name} should be 0"
             continue
         err = np.abs(got - ref)
-        bound = BWD_TOLERANCE * mag + 1e-6 * top
+        bound = BWD_TOLERANCE * mag + amb + 1e-6 * top
         worst = np.unravel_index(np.argmax(err - bound), err.shape)
         assert np.all(err <= bound), (f"{case.name}: {name} error {err[worst]:.3e} > bound {bound[worst]:.3e} at "
                                       f"{worst} (max |ref| {top:.3e})")
