@@ -74,9 +74,10 @@ def _median_ms(fn, args, repeats: int) -> float:
 
 
 def _paths(fn, args):
+    """What each step of ``fn`` lowers to: (attn_dist, indexer forward, indexer backward)."""
     text = jax.jit(fn).lower(*args).as_text()
     name = lambda target: "CUDA kernel" if target in text else "jnp (XLA)"  # noqa: E731
-    return name(_contract.FFI_TARGET), name(_contract.FFI_INDEXER_FWD)
+    return name(_contract.FFI_TARGET), name(_contract.FFI_INDEXER_FWD), name(_contract.FFI_INDEXER_BWD)
 
 
 def _slabs(S: int):
@@ -145,8 +146,8 @@ def main(argv=None) -> int:
 
     loss_args = (problem.q, problem.k, problem.lse, *indexer.arrays, problem.indices)
     try:
-        attn_path, _ = _paths(target_fn, problem.arrays)
-        _, indexer_path = _paths(loss_fn, loss_args)
+        attn_path, _, _ = _paths(target_fn, problem.arrays)
+        _, indexer_path, backward_path = _paths(loss_and_grads, loss_args)
     except (ValueError, RuntimeError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
     print(f"device:      {device.platform} {getattr(device, 'device_kind', '')}")
     print(f"kernel:      {'available' if _ext.kernel_available() else 'unavailable'} "
           f"({_ext.kernel_unavailable_reason()})")
-    print(f"path:        attn_dist {attn_path}; indexer_kl forward {indexer_path}, backward jnp (XLA)")
+    print(f"path:        attn_dist {attn_path}; indexer_kl forward {indexer_path}, backward {backward_path}")
     print(f"shape:       {shape}")
     print(f"time:        attn_dist {t_attn:.3f} ms ({problem.flops / t_attn / 1e9:.1f} TFLOP/s); "
           f"indexer_loss forward {t_loss:.3f} ms, forward+backward {t_step:.3f} ms (medians of {args.repeats})")
