@@ -154,17 +154,19 @@ def make_train_step(cfg: Config, optimizer):
 
 
 def kernel_paths(cfg: Config):
-    """Which of (attn_dist, indexer_kl forward) run a CUDA kernel for this config."""
+    """Which of (attn_dist, indexer_kl forward, indexer_kl backward) run a CUDA kernel for this config."""
     B, S, T, dt = cfg.batch, cfg.seq, cfg.topk, jnp.dtype(cfg.dtype)
     spec = lambda *shape, dtype=dt: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     idx = spec(B, S, 1, T, dtype=jnp.int32)
     attn = jax_attn_dist.kernel_supports(jax_attn_dist._contract.check_problem(
         spec(B, S, cfg.heads, cfg.head_dim), spec(B, S, 1, cfg.head_dim), idx, spec(B, S, cfg.heads, dtype=jnp.float32)))
-    indexer = jax_attn_dist.indexer_kernel_supports(jax_attn_dist._contract.check_indexer_problem(
+    problem = jax_attn_dist._contract.check_indexer_problem(
         spec(B, S, cfg.idx_heads, cfg.idx_dim), spec(B, S, cfg.idx_dim), spec(B, S, cfg.idx_heads, dtype=jnp.float32),
-        idx, spec(B, S, T, dtype=jnp.float32)))
+        idx, spec(B, S, T, dtype=jnp.float32))
+    indexer = jax_attn_dist.indexer_kernel_supports(problem)
+    backward = jax_attn_dist._contract.indexer_bwd_kernel_supports(problem)
     on_gpu = jax.default_backend() == "gpu" and jax_attn_dist.kernel_available()
-    return on_gpu and attn[0], on_gpu and indexer[0]
+    return on_gpu and attn[0], on_gpu and indexer[0], on_gpu and backward[0]
 
 
 def uses_kernel(cfg: Config) -> bool:
@@ -199,9 +201,9 @@ def main(argv=None):
     size = args.size or ("gpu" if uses_kernel(GPU) else "small")
     cfg = GPU if size == "gpu" else SMALL
     print(f"backend {jax.default_backend()}, size {size}: {cfg}")
-    attn, indexer = kernel_paths(cfg)
+    attn, indexer, backward = kernel_paths(cfg)
     name = lambda kernel: "CUDA kernel" if kernel else "jnp (XLA)"  # noqa: E731
-    print(f"attn_dist: {name(attn)}; indexer_kl forward: {name(indexer)}, backward: jnp (XLA)")
+    print(f"attn_dist: {name(attn)}; indexer_kl forward: {name(indexer)}, backward: {name(backward)}")
     losses = train(cfg, args.steps, args.seed, log=print)
     print(f"loss {losses[0]:.5f} -> {losses[-1]:.5f}")
     return losses
