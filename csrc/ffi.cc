@@ -152,12 +152,18 @@ ffi::Error AttnDistFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ff
 // indexer_kl forward
 // ---------------------------------------------------------------------------
 
-ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q,
-                      ffi::Buffer<ffi::BF16> index_k, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
-                      ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
-                      ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
-                      bool causal, int32_t k_stride) {
-  const Checker check{target};
+// The operands both indexer targets take, checked once: shapes, DI, HI (at
+// most max_heads), scale, k_stride and int32 sizes. On success `dims` holds
+// B, S, HI, DI, N, T.
+struct IndexerDims {
+  int64_t B, S, HI, DI, N, T;
+};
+
+ffi::Error CheckIndexerOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& index_q,
+                                const ffi::Buffer<ffi::BF16>& index_k, const ffi::Buffer<ffi::F32>& weights,
+                                const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::F32>& target_dist,
+                                const ffi::Buffer<ffi::S32>& q_start, float scale, int32_t k_stride,
+                                int64_t max_heads, IndexerDims* dims) {
   const auto qd = index_q.dimensions();
   if (qd.size() != 4) return check.Invalid("index_q must be rank 4 [B, S, HI, DI], got " + Shape(qd));
   const int64_t B = qd[0], S = qd[1], HI = qd[2], DI = qd[3];
@@ -170,33 +176,37 @@ ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
 
   if (!OneOf(DI, kIndexerHeadDims))
     return check.Invalid("the indexer head dim DI must be 64 or 128, got " + std::to_string(DI));
-  if (HI < 1 || HI > kIndexerMaxHeads)
-    return check.Invalid("the indexer heads HI must be in [1, 256], got " + std::to_string(HI));
+  if (HI < 1 || HI > max_heads)
+    return check.Invalid("the indexer heads HI must be in [1, " + std::to_string(max_heads) + "], got " +
+                         std::to_string(HI));
   if (auto e = check.Shape("index_k", kd, {B, N, DI}, "[B, N, DI]"); e.failure()) return e;
   if (auto e = check.Shape("weights", weights.dimensions(), {B, S, HI}, "[B, S, HI]"); e.failure()) return e;
   if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
   if (auto e = check.Shape("target", target_dist.dimensions(), {B, S, T}, "[B, S, T]"); e.failure()) return e;
   if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
-  if (auto e = check.Shape("kl", kl->dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
-  if (auto e = check.Shape("lse", lse->dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
   if (!(std::isfinite(scale) && scale > 0.f))
     return check.Invalid("scale must be finite and > 0, got " + std::to_string(scale));
   if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
-
-  if (B * S == 0) return ffi::Error::Success();  // no rows, no launch
-
   if (S > kIntMax || N > kIntMax || T > kIntMax || B * S > kIntMax)
     return check.Invalid("problem too large: B * S, N and T must be < 2^31");
   if (!Aligned16(index_q.untyped_data()) || !Aligned16(index_k.untyped_data()))
     return check.Invalid("index_q and index_k must be 16-byte aligned");
+  *dims = IndexerDims{B, S, HI, DI, N, T};
+  return ffi::Error::Success();
+}
 
-  IndexerFwdParams p{};
-  p.batch = int(B);
-  p.s_q = int(S);
-  p.s_kv = int(N);
-  p.h_idx = int(HI);
-  p.d_idx = int(DI);
-  p.topk = int(T);
+// The problem fields both indexer params structs share.
+template <class Params>
+void FillIndexerProblem(Params& p, const IndexerDims& d, const ffi::Buffer<ffi::BF16>& index_q,
+                        const ffi::Buffer<ffi::BF16>& index_k, const ffi::Buffer<ffi::F32>& weights,
+                        const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::F32>& target_dist,
+                        const ffi::Buffer<ffi::S32>& q_start, float scale, bool causal, int32_t k_stride) {
+  p.batch = int(d.B);
+  p.s_q = int(d.S);
+  p.s_kv = int(d.N);
+  p.h_idx = int(d.HI);
+  p.d_idx = int(d.DI);
+  p.topk = int(d.T);
   p.causal = causal;
   p.k_stride = k_stride;
   p.scale = scale;
@@ -206,6 +216,25 @@ ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
   p.indices = indices.typed_data();
   p.target = target_dist.typed_data();
   p.q_start = q_start.typed_data();
+}
+
+ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q,
+                      ffi::Buffer<ffi::BF16> index_k, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
+                      ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                      ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
+                      bool causal, int32_t k_stride) {
+  const Checker check{target};
+  IndexerDims d{};
+  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, scale, k_stride,
+                                    kIndexerMaxHeads, &d);
+      e.failure())
+    return e;
+  if (auto e = check.Shape("kl", kl->dimensions(), {d.B, d.S}, "[B, S]"); e.failure()) return e;
+  if (auto e = check.Shape("lse", lse->dimensions(), {d.B, d.S}, "[B, S]"); e.failure()) return e;
+  if (d.B * d.S == 0) return ffi::Error::Success();  // no rows, no launch
+
+  IndexerFwdParams p{};
+  FillIndexerProblem(p, d, index_q, index_k, weights, indices, target_dist, q_start, scale, causal, k_stride);
   p.kl = kl->typed_data();
   p.lse = lse->typed_data();
 
@@ -246,39 +275,19 @@ ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
                       ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
                       float scale, bool causal, int32_t k_stride) {
   const Checker check{target};
-  const auto qd = index_q.dimensions();
-  if (qd.size() != 4) return check.Invalid("index_q must be rank 4 [B, S, HI, DI], got " + Shape(qd));
-  const int64_t B = qd[0], S = qd[1], HI = qd[2], DI = qd[3];
-  const auto kd = index_k.dimensions();
-  if (kd.size() != 3) return check.Invalid("index_k must be rank 3 [B, N, DI], got " + Shape(kd));
-  const int64_t N = kd[1];
-  const auto id = indices.dimensions();
-  if (id.size() != 4) return check.Invalid("indices must be rank 4 [B, S, 1, T], got " + Shape(id));
-  const int64_t T = id[3];
-
-  if (!OneOf(DI, kIndexerHeadDims))
-    return check.Invalid("the indexer head dim DI must be 64 or 128, got " + std::to_string(DI));
-  if (HI < 1 || HI > kIndexerBwdMaxHeads)
-    return check.Invalid("the backward kernel's indexer heads HI must be in [1, 64], got " + std::to_string(HI));
-  if (auto e = check.Shape("index_k", kd, {B, N, DI}, "[B, N, DI]"); e.failure()) return e;
-  if (auto e = check.Shape("weights", weights.dimensions(), {B, S, HI}, "[B, S, HI]"); e.failure()) return e;
-  if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
-  if (auto e = check.Shape("target", target_dist.dimensions(), {B, S, T}, "[B, S, T]"); e.failure()) return e;
-  if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
+  IndexerDims d{};
+  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, scale, k_stride,
+                                    kIndexerBwdMaxHeads, &d);
+      e.failure())
+    return e;
+  const int64_t B = d.B, S = d.S, HI = d.HI, DI = d.DI, N = d.N;
   if (auto e = check.Shape("lse", lse.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
   if (auto e = check.Shape("g", g.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
   if (auto e = check.Shape("d_index_q", d_index_q->dimensions(), {B, S, HI, DI}, "[B, S, HI, DI]"); e.failure())
     return e;
   if (auto e = check.Shape("d_weights", d_weights->dimensions(), {B, S, HI}, "[B, S, HI]"); e.failure()) return e;
   if (auto e = check.Shape("d_index_k", d_index_k->dimensions(), {B, N, DI}, "[B, N, DI]"); e.failure()) return e;
-  if (!(std::isfinite(scale) && scale > 0.f))
-    return check.Invalid("scale must be finite and > 0, got " + std::to_string(scale));
-  if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
-  if (S > kIntMax || N > kIntMax || T > kIntMax || B * S > kIntMax)
-    return check.Invalid("problem too large: B * S, N and T must be < 2^31");
-  if (!Aligned16(index_q.untyped_data()) || !Aligned16(index_k.untyped_data()) ||
-      !Aligned16(d_index_k->untyped_data()))
-    return check.Invalid("index_q, index_k and d_index_k must be 16-byte aligned");
+  if (!Aligned16(d_index_k->untyped_data())) return check.Invalid("d_index_k must be 16-byte aligned");
 
   // d_index_k is a sum of atomic additions: it starts from zero. (A memset
   // node: no allocation, no synchronisation, capturable.)
@@ -291,21 +300,7 @@ ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
   if (B * S == 0) return ffi::Error::Success();  // no rows, no launch
 
   IndexerBwdParams p{};
-  p.batch = int(B);
-  p.s_q = int(S);
-  p.s_kv = int(N);
-  p.h_idx = int(HI);
-  p.d_idx = int(DI);
-  p.topk = int(T);
-  p.causal = causal;
-  p.k_stride = k_stride;
-  p.scale = scale;
-  p.index_q = index_q.untyped_data();
-  p.index_k = index_k.untyped_data();
-  p.weights = weights.typed_data();
-  p.indices = indices.typed_data();
-  p.target = target_dist.typed_data();
-  p.q_start = q_start.typed_data();
+  FillIndexerProblem(p, d, index_q, index_k, weights, indices, target_dist, q_start, scale, causal, k_stride);
   p.lse = lse.typed_data();
   p.g = g.typed_data();
   p.d_index_q = d_index_q->untyped_data();

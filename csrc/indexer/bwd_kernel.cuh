@@ -297,37 +297,18 @@ template <class Cfg>
 __global__ void __launch_bounds__(kThreads, Cfg::kCtasPerSm)
     indexer_bwd_kernel(const __grid_constant__ IndexerBwdParams params, const __grid_constant__ TmaParams tma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Plan = typename Cfg::SharedMemoryPlan;
   extern __shared__ char smem_raw[];
-  Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
-                                        ~uintptr_t(kSmemAlign - 1));
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
   const CtaProblem cta = locate_cta<Cfg>(params);
-
-  if (threadIdx.x == 0) {
-    cutlass::arch::ClusterTransactionBarrier::init(&plan.q_ready, 1);
-    Cfg::Ring::init(plan.ring);
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
+  auto& plan = init_plan<Cfg>(smem_raw);
 
   if (warpgroup == kNumConsumers) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (thread_in_wg == 0) {
-      prefetch_row(params, cta, num_sms() * Cfg::kCtasPerSm);
-      cute::prefetch_tma_descriptor(&tma.q);
-      load_q_by_tma<Cfg>(plan, tma, cta);
-    }
-    const bf16* keys = static_cast<const bf16*>(params.index_k) + int64_t(cta.batch) * params.s_kv * Cfg::DI;
-    gather_key_blocks<typename Cfg::Ring, Cfg::DI, kProducerLookahead>(plan.k[0], plan.ring, cta.slots, keys, 0,
-                                                                   thread_in_wg);
+    produce_row<Cfg, kProducerLookahead>(plan, params, tma, cta, thread_in_wg);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-    const float* weights_row = params.weights + cta.row * params.h_idx;
-    for (int h = thread_in_wg; h < Cfg::kMaxHeads; h += kWarpgroupThreads)
-      plan.weights[h] = h < params.h_idx ? __ldg(weights_row + h) : 0.f;
-    consumer_sync();
+    load_row_weights<Cfg>(plan, params, cta);
     consume_blocks_bwd<Cfg>(plan, params, cta, thread_in_wg);
   }
 #elif defined(__CUDA_ARCH__)
@@ -337,16 +318,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kCtasPerSm)
 
 template <class Cfg>
 LaunchStatus run_bwd_variant(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
-  if (p.batch < 1 || p.s_q < 1 || p.topk < 0 || p.h_idx < 1 || p.h_idx > Cfg::kMaxHeads || p.s_kv < 0) {
-    *detail = "empty or invalid problem (B, S >= 1, T >= 0, 1 <= HI <= the variant's heads): nothing to launch";
-    return LaunchStatus::kInvalidProblem;
-  }
-  TmaParams tma{};
-  if (LaunchStatus s = encode_head_tile_map(&tma.q, p.index_q, Cfg::DI, p.h_idx, p.s_q, p.batch, Cfg::HT, detail);
-      s != LaunchStatus::kOk)
-    return s;
-  return launch_kernel(&indexer_bwd_kernel<Cfg>, int64_t(p.batch) * p.s_q, kThreads, Cfg::kSmemBytes, stream,
-                       detail, p, tma);
+  return launch_per_row<Cfg>(&indexer_bwd_kernel<Cfg>, p, stream, detail);
 }
 
 }  // namespace indexer

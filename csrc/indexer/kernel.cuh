@@ -341,46 +341,73 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
 }
 
 // ---------------------------------------------------------------------------
-// The kernel.
+// CTA steps shared with the backward kernel (bwd_kernel.cuh).
 // ---------------------------------------------------------------------------
+
+// The CTA's shared-memory plan at the next 1 KiB boundary, its barriers
+// initialised and visible to every thread.
 template <class Cfg>
-__global__ void __launch_bounds__(kThreads, Cfg::kCtasPerSm)
-    indexer_fwd_kernel(const __grid_constant__ IndexerFwdParams params, const __grid_constant__ TmaParams tma) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ typename Cfg::SharedMemoryPlan& init_plan(char* smem_raw) {
   using Plan = typename Cfg::SharedMemoryPlan;
-  extern __shared__ char smem_raw[];
   Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
                                         ~uintptr_t(kSmemAlign - 1));
-  const int warpgroup = cutlass::canonical_warp_group_idx();
-  const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
-  const CtaProblem cta = locate_cta<Cfg>(params);
-
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&plan.q_ready, 1);
     Cfg::Ring::init(plan.ring);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  return plan;
+}
+
+// The producer warpgroup's row: one thread prefetches the row's indices and
+// targets and loads index_q by TMA; all feed the gather rings (slot indices
+// kLookahead blocks ahead).
+template <class Cfg, int kLookahead, class Params>
+__device__ __forceinline__ void produce_row(typename Cfg::SharedMemoryPlan& plan, const Params& params,
+                                            const TmaParams& tma, const CtaProblem& cta, int thread_in_wg) {
+  if (thread_in_wg == 0) {
+    prefetch_row(params, cta, num_sms() * Cfg::kCtasPerSm);
+    cute::prefetch_tma_descriptor(&tma.q);
+    load_q_by_tma<Cfg>(plan, tma, cta);
+  }
+  constexpr int kFeeders = Cfg::Ring::kFeeders;
+  const int consumer = thread_in_wg / kFeeders;
+  const bf16* keys = static_cast<const bf16*>(params.index_k) + int64_t(cta.batch) * params.s_kv * Cfg::DI;
+  gather_key_blocks<typename Cfg::Ring, Cfg::DI, kLookahead>(plan.k[consumer], plan.ring, cta.slots, keys,
+                                                             consumer, thread_in_wg % kFeeders);
+}
+
+// The row's weights, zero past HI (those heads' zero-filled index_q give
+// z = 0 anyway; a zero weight keeps them out whatever the padding holds).
+// Loaded by the consumers alone (threads 0 .. 128 kNumConsumers - 1), so
+// that the producer starts at once.
+template <class Cfg, class Params>
+__device__ __forceinline__ void load_row_weights(typename Cfg::SharedMemoryPlan& plan, const Params& params,
+                                                 const CtaProblem& cta) {
+  const float* weights_row = params.weights + cta.row * params.h_idx;
+  for (int h = threadIdx.x; h < Cfg::kMaxHeads; h += kNumConsumers * kWarpgroupThreads)
+    plan.weights[h] = h < params.h_idx ? __ldg(weights_row + h) : 0.f;
+  consumer_sync();
+}
+
+// ---------------------------------------------------------------------------
+// The kernel.
+// ---------------------------------------------------------------------------
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, Cfg::kCtasPerSm)
+    indexer_fwd_kernel(const __grid_constant__ IndexerFwdParams params, const __grid_constant__ TmaParams tma) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ char smem_raw[];
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
+  const CtaProblem cta = locate_cta<Cfg>(params);
+  auto& plan = init_plan<Cfg>(smem_raw);
 
   if (warpgroup == kNumConsumers) {
-    if (thread_in_wg == 0) {
-      prefetch_row(params, cta, num_sms() * Cfg::kCtasPerSm);
-      cute::prefetch_tma_descriptor(&tma.q);
-      load_q_by_tma<Cfg>(plan, tma, cta);
-    }
-    constexpr int kFeeders = Cfg::Ring::kFeeders;
-    const int consumer = thread_in_wg / kFeeders;
-    const bf16* keys = static_cast<const bf16*>(params.index_k) + int64_t(cta.batch) * params.s_kv * Cfg::DI;
-    gather_key_blocks<typename Cfg::Ring, Cfg::DI, kSlotLookahead>(plan.k[consumer], plan.ring, cta.slots, keys,
-                                                                   consumer, thread_in_wg % kFeeders);
+    produce_row<Cfg, kSlotLookahead>(plan, params, tma, cta, thread_in_wg);
   } else {
-    // The row's weights, zero past HI (those heads' zero-filled index_q give
-    // z = 0 anyway; a zero weight keeps them out whatever the padding holds).
-    // Loaded by the consumers alone, so that the producer starts at once.
-    const float* weights_row = params.weights + cta.row * params.h_idx;
-    for (int h = threadIdx.x; h < Cfg::kMaxHeads; h += kNumConsumers * kWarpgroupThreads)
-      plan.weights[h] = h < params.h_idx ? __ldg(weights_row + h) : 0.f;
-    consumer_sync();
+    load_row_weights<Cfg>(plan, params, cta);
     consume_blocks<Cfg>(plan, params, cta, warpgroup, thread_in_wg);
   }
 #elif defined(__CUDA_ARCH__)
@@ -393,11 +420,13 @@ __global__ void __launch_bounds__(kThreads, Cfg::kCtasPerSm)
 // ---------------------------------------------------------------------------
 // Host launcher for one (DI, HT, max head tiles) variant.
 // ---------------------------------------------------------------------------
-template <class Cfg>
-LaunchStatus run_variant(const IndexerFwdParams& p, cudaStream_t stream, const char** detail) {
-  // No rows, nothing to launch. T = 0 (or N = 0) is served: every slot is
-  // invalid, so each row's kl is 0 and its lse -inf; the consumers still wait
-  // for the index_q TMA before the CTA exits.
+// One CTA per row (B x S) of `kernel` (the forward or the backward), after
+// the checks both share and the index_q head-tile map. T = 0 (or N = 0) is
+// served: every slot is invalid; the consumers still wait for the index_q TMA
+// before the CTA exits.
+template <class Cfg, class Params>
+LaunchStatus launch_per_row(void (*kernel)(Params, TmaParams), const Params& p, cudaStream_t stream,
+                            const char** detail) {
   if (p.batch < 1 || p.s_q < 1 || p.topk < 0 || p.h_idx < 1 || p.h_idx > Cfg::kMaxHeads || p.s_kv < 0) {
     *detail = "empty or invalid problem (B, S >= 1, T >= 0, 1 <= HI <= the variant's heads): nothing to launch";
     return LaunchStatus::kInvalidProblem;
@@ -406,8 +435,12 @@ LaunchStatus run_variant(const IndexerFwdParams& p, cudaStream_t stream, const c
   if (LaunchStatus s = encode_head_tile_map(&tma.q, p.index_q, Cfg::DI, p.h_idx, p.s_q, p.batch, Cfg::HT, detail);
       s != LaunchStatus::kOk)
     return s;
-  return launch_kernel(&indexer_fwd_kernel<Cfg>, int64_t(p.batch) * p.s_q, kThreads, Cfg::kSmemBytes, stream,
-                       detail, p, tma);
+  return launch_kernel(kernel, int64_t(p.batch) * p.s_q, kThreads, Cfg::kSmemBytes, stream, detail, p, tma);
+}
+
+template <class Cfg>
+LaunchStatus run_variant(const IndexerFwdParams& p, cudaStream_t stream, const char** detail) {
+  return launch_per_row<Cfg>(&indexer_fwd_kernel<Cfg>, p, stream, detail);
 }
 
 }  // namespace indexer
