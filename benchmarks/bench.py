@@ -227,7 +227,7 @@ def bench_indexer(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
     out_k = kernel(*arg_sets[0])
     for deterministic, key in ((False, "kernel_bwd_ms"), (True, "bwd_deterministic_ms")):
         b, pairs = bwd_only(deterministic)
-        row[key] = time_calls(b, pairs, calls=max(1, calls // (1 if not deterministic else 4)), samples=samples) * 1e3
+        row[key] = time_calls(b, pairs, calls=calls, samples=samples) * 1e3
         log(f"  {name}: backward (deterministic={deterministic}) {row[key]:.3f} ms")
     t_k = time_calls(kernel, arg_sets, calls=calls, samples=samples)
     kb = fwd_bwd("cuda")

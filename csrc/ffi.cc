@@ -273,7 +273,8 @@ ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
                       ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::F32> lse,
                       ffi::Buffer<ffi::F32> g, ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
                       ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
-                      float scale, bool causal, int32_t k_stride) {
+                      ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale, bool causal, int32_t k_stride,
+                      bool deterministic) {
   const Checker check{target};
   IndexerDims d{};
   if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, scale, k_stride,
@@ -288,14 +289,30 @@ ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
   if (auto e = check.Shape("d_weights", d_weights->dimensions(), {B, S, HI}, "[B, S, HI]"); e.failure()) return e;
   if (auto e = check.Shape("d_index_k", d_index_k->dimensions(), {B, N, DI}, "[B, N, DI]"); e.failure()) return e;
   if (!Aligned16(d_index_k->untyped_data())) return check.Invalid("d_index_k must be 16-byte aligned");
+  // Deterministic mode's workspace, bytes: the int64 fixed-point sums
+  // [B, N, DI] and one int64 word for the rows' bound (fixed_point.cuh);
+  // float32 mode uses none.
+  const int64_t dk_elems = B * N * DI;
+  const int64_t want_ws = deterministic ? (dk_elems + 1) * int64_t(sizeof(int64_t)) : 0;
+  if (workspace->element_count() != want_ws)
+    return check.Invalid("workspace must be uint8 [" + std::to_string(want_ws) + "] (" +
+                         (deterministic ? "8 * (B * N * DI + 1) for deterministic=True"
+                                        : "empty for deterministic=False") +
+                         "), got " + attn_dist::Shape(workspace->dimensions()));
+  if (deterministic && !Aligned16(workspace->untyped_data())) return check.Invalid("workspace must be 16-byte aligned");
 
-  // d_index_k is a sum of atomic additions: it starts from zero. (A memset
-  // node: no allocation, no synchronisation, capturable.)
-  if (d_index_k->element_count() > 0) {
-    const cudaError_t err =
-        cudaMemsetAsync(d_index_k->untyped_data(), 0, size_t(d_index_k->element_count()) * sizeof(float), stream);
+  // The sums start from zero: d_index_k in float32 mode, the workspace in
+  // deterministic mode (whose last kernel writes all of d_index_k), and
+  // d_index_k when there are no rows. Memset nodes: no allocation, no
+  // synchronisation, capturable.
+  const bool fixed = deterministic && B * S > 0;
+  void* const zeroed = fixed ? workspace->untyped_data() : d_index_k->untyped_data();
+  const size_t zeroed_bytes = fixed ? size_t(want_ws) : size_t(dk_elems) * sizeof(float);
+  if (zeroed_bytes > 0) {
+    const cudaError_t err = cudaMemsetAsync(zeroed, 0, zeroed_bytes, stream);
     if (err != cudaSuccess)
-      return ffi::Error::Internal(std::string(target) + ": clearing d_index_k failed: " + cudaGetErrorString(err));
+      return ffi::Error::Internal(std::string(target) + ": clearing the d_index_k sums failed: " +
+                                  cudaGetErrorString(err));
   }
   if (B * S == 0) return ffi::Error::Success();  // no rows, no launch
 
@@ -306,6 +323,10 @@ ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
   p.d_index_q = d_index_q->untyped_data();
   p.d_weights = d_weights->typed_data();
   p.d_index_k = d_index_k->typed_data();
+  if (fixed) {
+    p.dk_fixed = static_cast<long long*>(workspace->untyped_data());
+    p.bound_bits = reinterpret_cast<unsigned int*>(p.dk_fixed + dk_elems);
+  }
 
   const char* detail = "";
   return check.Launched(run_indexer_bwd(p, stream, &detail), detail);
@@ -316,9 +337,10 @@ ffi::Error IndexerBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, f
                           ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::F32> lse,
                           ffi::Buffer<ffi::F32> g, ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
                           ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
-                          float scale, bool causal, int32_t k_stride) {
+                          ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale, bool causal, int32_t k_stride,
+                          bool deterministic) {
   return IndexerBwd(kIndexerBwdTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, lse, g,
-                    d_index_q, d_weights, d_index_k, scale, causal, k_stride);
+                    d_index_q, d_weights, d_index_k, workspace, scale, causal, k_stride, deterministic);
 }
 
 ffi::Error IndexerBwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
@@ -327,14 +349,15 @@ ffi::Error IndexerBwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_
                               ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::BF16> dq_init,
                               ffi::Buffer<ffi::F32> dw_init, ffi::Buffer<ffi::F32> dk_init,
                               ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q, ffi::Result<ffi::Buffer<ffi::F32>> d_weights,
-                              ffi::Result<ffi::Buffer<ffi::F32>> d_index_k, float scale, bool causal,
-                              int32_t k_stride) {
+                              ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
+                              ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale, bool causal,
+                              int32_t k_stride, bool deterministic) {
   if (dq_init.untyped_data() != d_index_q->untyped_data() || dw_init.untyped_data() != d_weights->untyped_data() ||
       dk_init.untyped_data() != d_index_k->untyped_data())
     return Checker{kIndexerBwdPoisonedTarget}.Invalid(
         "dq_init, dw_init and dk_init must be aliased to the outputs (input_output_aliases={8: 0, 9: 1, 10: 2})");
   return IndexerBwd(kIndexerBwdPoisonedTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, lse,
-                    g, d_index_q, d_weights, d_index_k, scale, causal, k_stride);
+                    g, d_index_q, d_weights, d_index_k, workspace, scale, causal, k_stride, deterministic);
 }
 
 // The operand lists, shared by each target and its poisoned twin.
@@ -382,9 +405,11 @@ auto IndexerBwdResultsAndAttrs(Binding b) {
   return std::move(b).template Ret<ffi::Buffer<ffi::BF16>>()  // d_index_q
       .template Ret<ffi::Buffer<ffi::F32>>()      // d_weights
       .template Ret<ffi::Buffer<ffi::F32>>()      // d_index_k
+      .template Ret<ffi::Buffer<ffi::U8>>()       // workspace (deterministic mode)
       .template Attr<float>("scale")
       .template Attr<bool>("causal")
-      .template Attr<int32_t>("k_stride");
+      .template Attr<int32_t>("k_stride")
+      .template Attr<bool>("deterministic");
 }
 
 auto IndexerBwdOperands() {

@@ -24,7 +24,8 @@ inline constexpr const char* kIndexerFwdPoisonedTarget = "jax_attn_dist_indexer_
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerFwdInto);
 
 // indexer_kl backward: (index_q, index_k, weights, indices, target, q_start, lse, g)
-//   -> (d_index_q bf16, d_weights f32, d_index_k f32).
+//   -> (d_index_q bf16, d_weights f32, d_index_k f32, workspace u8); the
+//   workspace is 8 * (B * N * DI + 1) bytes with deterministic=True, else empty.
 inline constexpr const char* kIndexerBwdTarget = "jax_attn_dist_indexer_bwd";
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerBwd);
 // The same, plus three operands aliased to the results, for poisoned tests.

@@ -54,8 +54,16 @@ struct IndexerFwdParams {
 // indexer_kl's backward (docs/SPEC.md §5.3), the forward's operands plus
 //   lse [B, S] f32 (the forward's residual), g [B, S] f32 (the cotangent of kl)
 //   ->  d_index_q [B, S, HI, DI] bf16, d_weights [B, S, HI] f32, and
-//       d_index_k [B, N, DI] f32, which the caller zeroes first: the kernel
-//       adds every slot's contribution with float32 atomics.
+//       d_index_k [B, N, DI] f32.
+// Two ways to sum d_index_k over the slots that select a key:
+// * dk_fixed == nullptr: float32 atomic additions into d_index_k, which the
+//   caller zeroes first (fast; the order, so the last bits, vary run to run).
+// * deterministic: every slot's term is rounded to a 64-bit fixed-point
+//   integer, 2^F units per 1, and added into dk_fixed [B, N, DI] with integer
+//   atomics, exact and so order-free; then d_index_k = dk_fixed * 2^-F. F is
+//   set on the device from the largest per-row bound on the terms (bound_bits:
+//   a float's bits, max-reduced), so nothing overflows (SPEC §5.3). The caller
+//   zeroes dk_fixed and bound_bits first (one workspace, see the handler).
 struct IndexerBwdParams {
   int batch, s_q, s_kv, h_idx, d_idx, topk;
 
@@ -74,6 +82,8 @@ struct IndexerBwdParams {
   void* d_index_q;         // cutlass::bfloat16_t
   float* d_weights;
   float* d_index_k;
+  long long* dk_fixed;     // deterministic mode's accumulator, else nullptr
+  unsigned int* bound_bits;
 };
 
 enum class LaunchStatus { kOk, kInvalidProblem, kUnsupportedDim, kTensorMapError, kLaunchError };
@@ -82,7 +92,8 @@ enum class LaunchStatus { kOk, kInvalidProblem, kUnsupportedDim, kTensorMapError
 // says why (a static string or one from cudaGetErrorString).
 LaunchStatus run_attn_dist(const AttnDistParams& params, cudaStream_t stream, const char** detail);
 LaunchStatus run_indexer_fwd(const IndexerFwdParams& params, cudaStream_t stream, const char** detail);
-// d_index_k must be zero on entry (the FFI handler clears it on the stream).
+// On entry d_index_k (float32 mode) or dk_fixed and bound_bits (deterministic
+// mode) must be zero: the FFI handler clears them on the stream.
 LaunchStatus run_indexer_bwd(const IndexerBwdParams& params, cudaStream_t stream, const char** detail);
 
 }  // namespace attn_dist

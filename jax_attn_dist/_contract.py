@@ -578,16 +578,21 @@ def indexer_kernel_supports(problem: IndexerProblem) -> Tuple[bool, str]:
 
 
 def indexer_bwd_kernel_supports(problem: IndexerProblem, *, deterministic: bool = False) -> Tuple[bool, str]:
-    """Whether the indexer backward CUDA kernel serves this problem: what the
-    forward kernel serves with HI <= 64, and ``deterministic=False`` (its
-    d index_k is a float32 atomic sum; ``deterministic=True`` runs the sorted
-    jnp backward)."""
+    """Whether the indexer backward CUDA kernels serve this problem: what the
+    forward kernel serves with HI <= 64, in either mode (``deterministic``:
+    d index_k by exact 64-bit fixed-point sums, SPEC §5.3)."""
+    del deterministic  # both modes have a kernel
     ok, why = indexer_kernel_supports(problem)
     if not ok:
         return ok, why
     if problem.HI > INDEXER_BWD_KERNEL_MAX_HEADS:
         return False, (f"the indexer backward kernel takes up to {INDEXER_BWD_KERNEL_MAX_HEADS} heads, "
                        f"got HI = {problem.HI}")
-    if deterministic:
-        return False, "deterministic=True: the backward kernel's d index_k uses float32 atomics"
     return True, "supported"
+
+
+def indexer_bwd_workspace_bytes(problem: IndexerProblem, *, deterministic: bool) -> int:
+    """The backward kernel's workspace in bytes (csrc/ffi.cc): the int64
+    fixed-point d index_k sums [B, N, DI] and one int64 word for the rows'
+    bound when ``deterministic``, else none."""
+    return 8 * (problem.B * problem.N * problem.DI + 1) if deterministic else 0

@@ -12,8 +12,8 @@ Static parameters: ``scale`` (float), ``causal`` (bool), ``k_stride`` (int),
 
 As for attn_dist (``primitive.py``), each lowers through custom_partitioning
 (``sharding.py``) to an inner per-shard primitive, whose CUDA lowering calls
-the SM90 kernels where they apply (the backward kernel: HI <= 64 and
-deterministic=False); elsewhere the chunked jnp passes.
+the SM90 kernels where they apply (the backward kernels: HI <= 64, either
+mode); elsewhere the chunked jnp passes.
 """
 
 from __future__ import annotations
@@ -70,17 +70,24 @@ def _ffi_forward(index_q, index_k, weights, indices, target, q_start, *, scale, 
 
 def _ffi_backward(index_q, index_k, weights, indices, target, q_start, lse, g, *, scale, causal, k_stride,
                   deterministic, implementation):
-    """The SM90 backward kernel through XLA's FFI (csrc/ffi.cc): the forward's
-    operands plus Buffer<F32> lse [B,S] and Buffer<F32> g [B,S]; results
-    Buffer<BF16> d index_q [B,S,HI,DI], Buffer<F32> d weights [B,S,HI] and
-    Buffer<F32> d index_k [B,N,DI] (a float32 atomic sum, cast here)."""
-    del deterministic, implementation  # the kernel is chosen for deterministic=False only
-    dq, dw, dk = jax.ffi.ffi_call(FFI_INDEXER_BWD, (
+    """The SM90 backward kernels through XLA's FFI (csrc/ffi.cc): the
+    forward's operands plus Buffer<F32> lse [B,S] and Buffer<F32> g [B,S];
+    attrs as the forward's plus deterministic bool; results Buffer<BF16>
+    d index_q [B,S,HI,DI], Buffer<F32> d weights [B,S,HI], Buffer<F32>
+    d index_k [B,N,DI] (cast here) and Buffer<U8> workspace (the
+    deterministic mode's fixed-point sums; XLA allocates it, the handler
+    allocates nothing)."""
+    del implementation
+    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start)
+    workspace = _contract.indexer_bwd_workspace_bytes(problem, deterministic=deterministic)
+    dq, dw, dk, _ = jax.ffi.ffi_call(FFI_INDEXER_BWD, (
         jax.ShapeDtypeStruct(index_q.shape, jnp.bfloat16),
         jax.ShapeDtypeStruct(weights.shape, jnp.float32),
         jax.ShapeDtypeStruct(index_k.shape, jnp.float32),
+        jax.ShapeDtypeStruct((workspace,), jnp.uint8),
     ))(index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, lse, g.astype(jnp.float32),
-       scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride))
+       scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),
+       deterministic=bool(deterministic))
     return dq, dk.astype(index_k.dtype), dw.astype(weights.dtype)
 
 

@@ -3,14 +3,17 @@
     compute-sanitizer --tool racecheck --kernel-name kns=attn_dist_kernel python tests/sanitizer_run.py attn_dist
     compute-sanitizer --tool racecheck --kernel-name kns=indexer_fwd_kernel python tests/sanitizer_run.py indexer
     compute-sanitizer --tool racecheck --kernel-name kns=indexer_bwd_kernel python tests/sanitizer_run.py indexer_bwd
+    compute-sanitizer --tool memcheck python tests/sanitizer_run.py indexer_bwd_det
 
 attn_dist: partial T, partial H, both head tiles, both D, batched, all-invalid.
 indexer: every head-tile variant (16, 32, 64, 4 x 64), both DI, partial T,
 batched, all-invalid, T = 0. indexer_bwd: the backward kernel on the
-indexer cases it serves (HI <= 64) plus hot duplicated keys. Exits non-zero
-if a result is wrong.
+indexer cases it serves (HI <= 64) plus hot duplicated keys; indexer_bwd_det:
+the same cases in deterministic mode (its row-bound, main and conversion
+kernels). Exits non-zero if a result is wrong.
 """
 
+import functools
 import sys
 
 import indexer_cases
@@ -44,6 +47,7 @@ CHECKS = {
     "attn_dist": (ATTN_DIST, kernel_cases.check_case),
     "indexer": (INDEXER, indexer_cases.check_case),
     "indexer_bwd": (INDEXER_BWD, indexer_cases.check_bwd_case),
+    "indexer_bwd_det": (INDEXER_BWD, functools.partial(indexer_cases.check_bwd_case, deterministic=True)),
 }
 
 if __name__ == "__main__":

@@ -386,17 +386,22 @@ def test_cuda_lowering_calls_the_kernel(cross_lowering, HI, DI, wdt):
 
 
 def test_cuda_lowering_of_the_backward(cross_lowering):
-    """The backward kernel's call: the f32 d index_k it returns is cast to
-    index_k's dtype; deterministic=True keeps the sorted jnp backward."""
+    """The backward kernel's call in both modes: the deterministic attribute
+    and its workspace (int64 sums [B, N, DI] + one word, as bytes; none in
+    float32 mode), and the f32 d index_k cast to index_k's dtype."""
     iq, ik, w, idx, tgt, kw = make_indexer_inputs(0, B=2, S=4, HI=16, DI=64, N=9, T=5, weights_dtype=BF16)
     problem = _contract.check_indexer_problem(iq, ik, w, idx, tgt)
     assert _contract.indexer_bwd_kernel_supports(problem) == (True, "supported")
-    assert not _contract.indexer_bwd_kernel_supports(problem, deterministic=True)[0]
-    for deterministic, calls in ((False, 1), (True, 0)):
+    assert _contract.indexer_bwd_kernel_supports(problem, deterministic=True) == (True, "supported")
+    for deterministic, workspace in ((False, 0), (True, 8 * (2 * 9 * 64 + 1))):
         loss = lambda a, b, c: indexer_kl(a, b, c, idx, tgt, deterministic=deterministic, **kw).sum()  # noqa: E731
         text = _lower(jax.grad(loss, argnums=(0, 1, 2)), (iq, ik, w), "cuda")
-        assert len(_BWD_CALL.findall(text)) == calls, deterministic
+        assert len(_BWD_CALL.findall(text)) == 1, deterministic
         assert len(_CALL.findall(text)) == 1
+        call = text[text.index(f"@{_contract.FFI_INDEXER_BWD}("):]
+        call = call[:call.index("\n")]
+        assert f"deterministic = {str(deterministic).lower()}" in call, call
+        assert f"tensor<{workspace}xui8>" in call, call
     # implementation="cuda" binds the forward; the backward still lowers (to its kernel here)
     loss = lambda a: indexer_kl(a, ik, w, idx, tgt, implementation="cuda", **kw).sum()  # noqa: E731
     assert len(_BWD_CALL.findall(_lower(jax.grad(loss), (iq,), "cuda"))) == 1

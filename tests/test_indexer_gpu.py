@@ -38,6 +38,20 @@ def test_bwd_sweep_matches_float64(case):
     check_bwd_case(case)
 
 
+@pytest.mark.parametrize("case", BWD_SWEEP, ids=lambda c: c.name)
+def test_bwd_deterministic_sweep_matches_float64_and_float32_mode(case):
+    """The fixed-point d index_k: within the same bound of float64, and
+    d index_q / d weights bit-identical to the float32-atomic mode's (the
+    modes differ only in how d index_k's terms are summed)."""
+    dq, dw, dk = check_bwd_case(case, deterministic=True)
+    inputs, kwargs = make_case_inputs(case)
+    _, lse = run_kernel(inputs, kwargs)
+    dq32, dw32, dk32 = run_bwd_kernel(inputs, kwargs, lse, bwd_cotangent(case))
+    assert dq.tobytes() == dq32.tobytes() and dw.tobytes() == dw32.tobytes()
+    top = np.abs(dk32).max() if dk32.size else 0.0
+    np.testing.assert_allclose(dk, dk32, rtol=1e-4, atol=1e-6 * top)
+
+
 @pytest.mark.parametrize("HI", [16, 32, 64])
 @pytest.mark.parametrize("DI", [64, 128])
 def test_bwd_full_topk(HI, DI):
@@ -58,6 +72,37 @@ def test_bwd_large_logits_zero_targets_and_invalid_rows():
     _, lse = run_kernel(inputs, kwargs)
     dq, dw, dk = run_bwd_kernel(inputs, kwargs, lse, np.ones(lse.shape, np.float32))
     assert np.all(dq == 0) and np.all(dw == 0) and np.all(dk == 0)
+
+
+@pytest.mark.parametrize("HI,DI", [(64, 128), (16, 64)])
+def test_bwd_deterministic_mode_is_bitwise_at_idx_v32(HI, DI):
+    """deterministic=True: every gradient has the same bits over 5 runs, at
+    SPEC §7's idx-v32 shape (S = 4096, N = 8192, T = 2048) where keys are hit
+    by hundreds of rows, and matches float64 there."""
+    case = Case(S=4096, HI=HI, DI=DI, T=2048, N=8192, invalid_fraction=0.02, seed=13 + HI)
+    inputs, kwargs = make_case_inputs(case)
+    _, lse = run_kernel(inputs, kwargs)
+    g = bwd_cotangent(case)
+    first = run_bwd_kernel(inputs, kwargs, lse, g, deterministic=True)
+    for _ in range(4):
+        again = run_bwd_kernel(inputs, kwargs, lse, g, deterministic=True)
+        for name, a, b in zip(("d_index_q", "d_weights", "d_index_k"), first, again):
+            assert a.tobytes() == b.tobytes(), name
+    dq32, dw32, dk32 = run_bwd_kernel(inputs, kwargs, lse, g)
+    np.testing.assert_allclose(first[2], dk32, rtol=1e-4, atol=1e-6 * np.abs(dk32).max())
+
+
+def test_bwd_deterministic_mode_flags_non_finite_terms():
+    """A non-finite index_k makes the valid slots' dl NaN; the fixed-point
+    sums cannot hold NaN, so d index_k is NaN everywhere rather than silently
+    missing those terms (the finite case is the sweep above)."""
+    case = Case(S=16, HI=64, T=256, N=500, seed=17)
+    inputs, kwargs = make_case_inputs(case)
+    _, lse = run_kernel(inputs, kwargs)
+    bad = list(inputs)
+    bad[1] = jnp.full(np.shape(inputs[1]), jnp.inf, jnp.bfloat16)
+    _, _, dk = run_bwd_kernel(bad, kwargs, lse, np.ones(lse.shape, np.float32), deterministic=True)
+    assert np.isnan(dk).all()
 
 
 def test_bwd_d_index_q_and_d_weights_are_bitwise_deterministic():
@@ -106,9 +151,9 @@ def test_public_api_uses_the_kernel_with_traced_q_start():
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_kernel_path_gradients(deterministic):
-    """Forward on the kernel; backward on its kernel (deterministic=False) or
-    the sorted jnp pass (True): the gradients match the float64 formulas and
-    the XLA path's."""
+    """Forward on the kernel; backward on its kernel in either mode: the
+    gradients match the float64 formulas and the XLA path's, and the
+    deterministic mode's bits repeat."""
     iq, ik, w, idx, tgt, kw = make_indexer_inputs(seed_of("indexer-gpu-grad", deterministic), B=2, S=24, HI=64,
                                                   DI=128, N=300, T=200, q_start_index="batch")
     rng = np.random.default_rng(3)
@@ -122,7 +167,7 @@ def test_kernel_path_gradients(deterministic):
 
     text = jax.jit(jax.grad(lambda a: jnp.sum(indexer_kl(a, ik, w, idx, tgt, q_start_index=qs, implementation="cuda",
                                                           deterministic=deterministic, **kw)))).lower(iq).as_text()
-    assert (_contract.FFI_INDEXER_BWD in text) == (not deterministic)
+    assert _contract.FFI_INDEXER_BWD in text  # both modes have a kernel
     got, xla = grads("cuda"), grads("xla")
     want = oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, q_start_index=qs, **kw)
     for name, a, b, o in zip(("d_index_q", "d_index_k", "d_weights"), got, xla, want):
@@ -200,23 +245,28 @@ def test_ffi_handler_returns_clear_errors(name):
         _raw_ffi(**change)
 
 
-def _raw_bwd_ffi(HI=64, g_rows=4):
+def _raw_bwd_ffi(HI=64, g_rows=4, deterministic=False, workspace=None):
     dt = dict(index_q=((1, 4, HI, 128), jnp.bfloat16), index_k=((1, 32, 128), jnp.bfloat16),
               weights=((1, 4, HI), jnp.float32), indices=((1, 4, 1, 64), jnp.int32),
               target=((1, 4, 64), jnp.float32), q_start=((1,), jnp.int32), lse=((1, 4), jnp.float32),
               g=((1, g_rows), jnp.float32))
     args = [jnp.zeros(shape, d) for shape, d in dt.values()]
+    if workspace is None:
+        workspace = 8 * (32 * 128 + 1) if deterministic else 0
     outs = (jax.ShapeDtypeStruct((1, 4, HI, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 4, HI), jnp.float32),
-            jax.ShapeDtypeStruct((1, 32, 128), jnp.float32))
+            jax.ShapeDtypeStruct((1, 32, 128), jnp.float32), jax.ShapeDtypeStruct((workspace,), jnp.uint8))
     call = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD, outs)
     return jax.block_until_ready(jax.jit(lambda *a: call(*a, scale=np.float32(1.0), causal=True,
-                                                         k_stride=np.int32(1)))(*args))
+                                                         k_stride=np.int32(1), deterministic=deterministic))(*args))[:3]
 
 
-def test_bwd_ffi_handler_accepts_good_call_and_returns_clear_errors():
-    dq, dw, dk = _raw_bwd_ffi()
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_ffi_handler_accepts_good_call_and_returns_clear_errors(deterministic):
+    dq, dw, dk = _raw_bwd_ffi(deterministic=deterministic)
     assert not np.asarray(dq.astype(jnp.float32)).any() and not np.asarray(dk).any()
     with pytest.raises(Exception, match=r"HI must be in \[1, 64\]"):
-        _raw_bwd_ffi(HI=100)
+        _raw_bwd_ffi(HI=100, deterministic=deterministic)
     with pytest.raises(Exception, match="g must have shape"):
-        _raw_bwd_ffi(g_rows=5)
+        _raw_bwd_ffi(g_rows=5, deterministic=deterministic)
+    with pytest.raises(Exception, match="workspace must be uint8"):
+        _raw_bwd_ffi(deterministic=deterministic, workspace=8 if deterministic else 16)

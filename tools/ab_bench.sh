@@ -23,7 +23,7 @@ python3 - "$OUT/old.json" "$OUT/new.json" <<'PY'
 import json, sys
 old, new = (json.load(open(p))["rows"] for p in sys.argv[1:])
 for a, b in zip(old, new):
-    for key in ("kernel_ms", "kernel_bwd_ms", "kernel_fwd_bwd_ms"):
+    for key in ("kernel_ms", "kernel_bwd_ms", "bwd_deterministic_ms", "kernel_fwd_bwd_ms"):
         if key in a and key in b:
             print(f"{a['name']:<14}{key:<20}{a[key]:9.3f} -> {b[key]:9.3f} ms  ({b[key] / a[key] - 1:+.1%})")
 PY

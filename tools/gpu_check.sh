@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [sanitize] [ncu] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [sanitize] [sanitize-det] [ncu] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 #
@@ -64,6 +64,13 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
             python3 tests/sanitizer_run.py "$kernel"
         done
       done ;;
+    sanitize-det)  # the deterministic backward: its main kernel under every tool, all three under memcheck
+      for tool in memcheck racecheck synccheck; do
+        run "sanitize-$tool-indexer_bwd_det" compute-sanitizer --tool "$tool" --kernel-name kns=indexer_bwd_kernel \
+          --error-exitcode 9 python3 tests/sanitizer_run.py indexer_bwd_det
+      done
+      run "sanitize-memcheck-indexer_bwd_det-all" compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 tests/sanitizer_run.py indexer_bwd_det ;;
     ncu)
       for shape in v32-h128 v32-h64 idx-v32; do
         run "ncu-$shape" ncu --kernel-name regex:"attn_dist_kernel|indexer_fwd_kernel|indexer_bwd_kernel" --launch-skip 2 \

@@ -15,11 +15,17 @@
 // asynchronous reductions (one per key row, DI float32 sums done in L2). dQ
 // and d weights stay in registers over the whole row and are written once.
 //
+// kDeterministic: the dK rows are rounded to 64-bit fixed-point integers
+// (fixed_point.cuh) and added by bulk integer reductions into the workspace,
+// 64 dims at a time: an int64 chunk of 64 rows takes the bytes of the float
+// staging rows, so the ring keeps its stages.
+//
 // Served: DI in {64, 128}, 1 <= HI <= 64 (one head tile: dQ's accumulators
 // of every head tile would not fit the registers).
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -37,10 +43,11 @@ using DzAtom = std::conditional_t<HT == 64, cute::GMMA::Layout_MN_SW128_Atom<bf1
                                   std::conditional_t<HT == 32, cute::GMMA::Layout_MN_SW64_Atom<bf16>,
                                                      cute::GMMA::Layout_MN_SW32_Atom<bf16>>>;
 
-template <int DI_, int HT_>
+template <int DI_, int HT_, bool kDeterministic_ = false>
 struct BwdConfig {
   static constexpr int DI = DI_;
   static constexpr int HT = HT_;
+  static constexpr bool kDeterministic = kDeterministic_;
   static constexpr int kMaxHeadTiles = 1;
   static constexpr int kMaxHeads = HT;
   static constexpr int kDimTiles = DI / kDimTile;
@@ -77,7 +84,13 @@ struct BwdConfig {
   // source) and padded by 32 bytes: the 8 rows a warp's float2 stores touch
   // then fall on 4 distinct bank groups (2 wavefronts, the minimum).
   static constexpr int kDkRowFloats = DI + 8;
-  static constexpr int kDkStageBytes = kBlockTopk * kDkRowFloats * int(sizeof(float));
+  // Deterministic: a chunk of 64 dims per row as int64, padded by 32 bytes
+  // (a warp's 16-byte stores of 8 rows then take 4 wavefronts, the minimum).
+  static constexpr int kFixedChunkDims = 64;
+  static constexpr int kFixedChunks = DI / kFixedChunkDims;
+  static constexpr int kDkRowFixed = kFixedChunkDims + 4;
+  using DkStage = std::conditional_t<kDeterministic, long long[kBlockTopk][kDkRowFixed], float[kBlockTopk][kDkRowFloats]>;
+  static constexpr int kDkStageBytes = int(sizeof(DkStage));
   static constexpr int kStages =
       (kSmemBudget - kSmemAlign - kQBytes - kDzBytes - kDkStageBytes - kMiscBytes) / (64 * kDimTile * 2);
   static_assert(kStages >= 2 * kDimTiles, "two blocks must fit in the ring");
@@ -103,13 +116,14 @@ struct BwdConfig {
     alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
     alignas(kSmemAlign) bf16 k[kNumConsumers][Ring::kRingElems];
     alignas(kSmemAlign) bf16 dz[cute::cosize_v<SmemLayoutDz>];
-    alignas(128) float dk[kBlockTopk][kDkRowFloats];  // the block's dK rows, reduced into d_index_k
+    alignas(128) DkStage dk;                 // the block's dK rows (or a chunk of them), reduced into d_index_k
     int32_t row_key[kBlockTopk];             // their keys (-1: invalid slot, no reduction)
     typename Ring::Barriers ring;
     uint64_t q_ready;
     float weights[kMaxHeads];                // the row's weights, 0 past HI
     float dw[kConsumerWarps][kMaxHeads];     // each consumer warp's d weights
     float tau[kConsumerWarps];               // each consumer warp's share of the target mass
+    float to_fixed;                          // deterministic mode: 2^F (fixed_point.cuh)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;
   static_assert(kSmemBytes <= kSmemBudget, "shared-memory plan exceeds the per-CTA budget");

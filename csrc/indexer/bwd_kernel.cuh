@@ -7,10 +7,13 @@
 //        forward (kernel.cuh), dl = g (exp(logit - lse) tau - t), dz and the
 //        three gradient GEMMs; the block's dK rows are staged in shared
 //        memory and added to d_index_k by bulk reductions (float32 adds in
-//        L2). At the end dQ and d weights are written once.
+//        L2; deterministic mode: 64-bit fixed-point integer adds into the
+//        workspace, exact in any order). At the end dQ and d weights are
+//        written once.
 //   WG1  producer: the forward's gather pipeline and index_q TMA load.
 // d index_q and d weights have one writer and a fixed summation order: they
-// are deterministic. d index_k's reductions are not ordered.
+// are deterministic. d index_k's float32 reductions are not ordered; its
+// integer ones need no order.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +23,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "bwd_config.h"
+#include "fixed_point.cuh"
 #include "kernel.cuh"
 
 namespace attn_dist {
@@ -73,11 +77,34 @@ __device__ __forceinline__ void stage_dk_rows(typename Cfg::SharedMemoryPlan& pl
   if (q == 0) plan.row_key[r0] = key[0], plan.row_key[r0 + 8] = key[1];
 }
 
+// Deterministic mode: dims [64 c, 64 c + 64) of the block's dK rows as
+// fixed-point integers (each thread's pairs as one 16-byte store).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void stage_dk_fixed_chunk(typename Cfg::SharedMemoryPlan& plan, const Acc& acc, int chunk,
+                                                     int r0, int q) {
+  constexpr int kPairs = Cfg::kFixedChunkDims / 8;
+  const float scale = plan.to_fixed;
+  CUTE_UNROLL
+  for (int jj = 0; jj < kPairs; ++jj)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const int j = chunk * kPairs + jj;
+      *reinterpret_cast<longlong2*>(&plan.dk[r0 + 8 * rh][8 * jj + 2 * q]) =
+          make_longlong2(to_fixed(acc(4 * j + 2 * rh), scale), to_fixed(acc(4 * j + 2 * rh + 1), scale));
+    }
+}
+
 // One staged row added to d_index_k[key, :]: a bulk reduction, done by the
 // copy engine and L2 (full 128-byte lines), tracked by the issuing thread's
 // bulk group.
 __device__ __forceinline__ void reduce_row_async(float* dst, const float* src, int bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+               "r"(uint32_t(__cvta_generic_to_shared(src))), "r"(bytes)
+               : "memory");
+}
+// The same for fixed-point integers (two's complement: u64 addition is s64's).
+__device__ __forceinline__ void reduce_row_async(long long* dst, const long long* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;" ::"l"(dst),
                "r"(uint32_t(__cvta_generic_to_shared(src))), "r"(bytes)
                : "memory");
 }
@@ -135,6 +162,11 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
 
   const float g = p.g[c.row];
   const float lse = p.lse[c.row];
+  // Deterministic mode's scale 2^F (row_bound_kernel ran before this
+  // kernel), kept in shared memory: the HT = 64 consumer has no register to
+  // spare across the loop. row_target_mass's barrier publishes it.
+  if constexpr (Cfg::kDeterministic)
+    if (thread_in_wg == 0) plan.to_fixed = fixed_point_scale(*p.bound_bits, int64_t(p.batch) * p.s_q).to_fixed;
   const float tau = row_target_mass<Cfg>(plan, p, c, thread_in_wg);
   // A row with no target mass (or no valid slot) has all-zero gradients.
   const float g_live = tau > 0.f && lse > -INFINITY ? g : 0.f;
@@ -159,7 +191,10 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
   CUTE_UNROLL
   for (int j = 0; j < HT / 8; ++j) dw[j] = make_float2(0.f, 0.f);
 
-  float* d_keys = p.d_index_k + int64_t(c.batch) * p.s_kv * DI;
+  auto* d_keys = [&] {
+    if constexpr (Cfg::kDeterministic) return p.dk_fixed + int64_t(c.batch) * p.s_kv * DI;
+    else return p.d_index_k + int64_t(c.batch) * p.s_kv * DI;
+  }();
   const bool reducer = lane < 16;  // lane l of warp w reduces the block's row 16w + l
   RingPos<Cfg::kStages> pos;
   const int num_blocks = c.slots.num_blocks();
@@ -195,6 +230,10 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
       dl[rh] = key[rh] >= 0 ? g_live * (exp_approx(p.scale * partial[rh] - lse) * tau - t[rh]) : 0.f;
       dl_scaled[rh] = dl[rh] * p.scale;
     }
+    // A non-finite dl (index_k or lse not finite; the other operands are in
+    // the row bound) would become a zero integer: flag it, d_index_k is NaN.
+    if constexpr (Cfg::kDeterministic)
+      if (!(fabsf(dl_scaled[0]) <= FLT_MAX && fabsf(dl_scaled[1]) <= FLT_MAX)) flag_non_finite(p.bound_bits);
     CUTE_UNROLL
     for (int j = 0; j < HT / 8; ++j) {
       const float2 w = weights.w[j];
@@ -240,16 +279,38 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
     for (int dt = 0; dt < kDimTiles; ++dt) warpgroup_fence_operand(acc_dq[dt]);
     warpgroup_fence_operand(acc_dk);
     release_block<Cfg>(plan, consumer, stage, lane);
-    stage_dk_rows<Cfg>(plan, acc_dk, key, r0, q);
-    cutlass::arch::fence_view_async_shared();  // the staging stores, before the copy engine reads them
-    // All warps are past their WGMMA waits here, so the next block's dz
-    // stores cannot overtake this block's reads of sDz either.
-    consumer_sync();
-    if (reducer) {
-      const int r = 16 * warp + lane;
-      const int32_t row_key = plan.row_key[r];
-      if (row_key >= 0) reduce_row_async(d_keys + int64_t(row_key) * DI, plan.dk[r], DI * int(sizeof(float)));
-      commit_reductions();
+    if constexpr (!Cfg::kDeterministic) {
+      stage_dk_rows<Cfg>(plan, acc_dk, key, r0, q);
+      cutlass::arch::fence_view_async_shared();  // the staging stores, before the copy engine reads them
+      // All warps are past their WGMMA waits here, so the next block's dz
+      // stores cannot overtake this block's reads of sDz either.
+      consumer_sync();
+      if (reducer) {
+        const int r = 16 * warp + lane;
+        const int32_t row_key = plan.row_key[r];
+        if (row_key >= 0) reduce_row_async(d_keys + int64_t(row_key) * DI, plan.dk[r], DI * int(sizeof(float)));
+        commit_reductions();
+      }
+    } else {
+      if (q == 0) plan.row_key[r0] = key[0], plan.row_key[r0 + 8] = key[1];
+      CUTE_UNROLL
+      for (int chunk = 0; chunk < Cfg::kFixedChunks; ++chunk) {
+        if (chunk > 0) {  // the previous chunk's reductions have read the staging rows
+          if (reducer) wait_reductions_read();
+          consumer_sync();
+        }
+        stage_dk_fixed_chunk<Cfg>(plan, acc_dk, chunk, r0, q);
+        cutlass::arch::fence_view_async_shared();
+        consumer_sync();  // as above: also orders this block's sDz reads before the next block's stores
+        if (reducer) {
+          const int r = 16 * warp + lane;
+          const int32_t row_key = plan.row_key[r];
+          if (row_key >= 0)
+            reduce_row_async(d_keys + int64_t(row_key) * DI + chunk * Cfg::kFixedChunkDims, plan.dk[r],
+                             Cfg::kFixedChunkDims * int(sizeof(long long)));
+          commit_reductions();
+        }
+      }
     }
   }
   if (reducer) wait_reductions();  // the staging rows live in this CTA's shared memory
@@ -318,12 +379,21 @@ __global__ void __launch_bounds__(kThreads, Cfg::kCtasPerSm)
 
 template <class Cfg>
 LaunchStatus run_bwd_variant(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
-  return launch_per_row<Cfg>(&indexer_bwd_kernel<Cfg>, p, stream, detail);
+  if constexpr (!Cfg::kDeterministic) {
+    return launch_per_row<Cfg>(&indexer_bwd_kernel<Cfg>, p, stream, detail);
+  } else {
+    // The rows' bounds (and so F), the fixed-point sums, then d_index_k.
+    if (LaunchStatus s = launch_row_bounds(p, stream, detail); s != LaunchStatus::kOk) return s;
+    if (LaunchStatus s = launch_per_row<Cfg>(&indexer_bwd_kernel<Cfg>, p, stream, detail); s != LaunchStatus::kOk)
+      return s;
+    return launch_fixed_to_float(p, stream, detail);
+  }
 }
 
 }  // namespace indexer
 }  // namespace attn_dist
 
-#define INDEXER_BWD_INSTANTIATE(DI, HT)                                                                     \
-  template attn_dist::LaunchStatus attn_dist::indexer::run_bwd_variant<attn_dist::indexer::BwdConfig<DI, HT>>( \
+#define INDEXER_BWD_INSTANTIATE(DI, HT, DETERMINISTIC)                                             \
+  template attn_dist::LaunchStatus                                                                   \
+  attn_dist::indexer::run_bwd_variant<attn_dist::indexer::BwdConfig<DI, HT, DETERMINISTIC>>(         \
       const attn_dist::IndexerBwdParams&, cudaStream_t, const char**);

@@ -9,14 +9,24 @@ namespace indexer {
 template <class Cfg>
 LaunchStatus run_bwd_variant(const IndexerBwdParams& params, cudaStream_t stream, const char** detail);
 
-template <int DI>
-static LaunchStatus run_bwd_dim(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
+template <int DI, bool kDeterministic>
+static LaunchStatus run_bwd_heads(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
   // The narrowest head tile that holds the heads, as in the forward.
-  if (p.h_idx <= 16) return run_bwd_variant<BwdConfig<DI, 16>>(p, stream, detail);
-  if (p.h_idx <= 32) return run_bwd_variant<BwdConfig<DI, 32>>(p, stream, detail);
-  if (p.h_idx <= 64) return run_bwd_variant<BwdConfig<DI, 64>>(p, stream, detail);
+  if (p.h_idx <= 16) return run_bwd_variant<BwdConfig<DI, 16, kDeterministic>>(p, stream, detail);
+  if (p.h_idx <= 32) return run_bwd_variant<BwdConfig<DI, 32, kDeterministic>>(p, stream, detail);
+  if (p.h_idx <= 64) return run_bwd_variant<BwdConfig<DI, 64, kDeterministic>>(p, stream, detail);
   *detail = "the indexer backward kernel takes at most 64 heads";
   return LaunchStatus::kUnsupportedDim;
+}
+
+template <int DI>
+static LaunchStatus run_bwd_dim(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
+  if (p.dk_fixed == nullptr) return run_bwd_heads<DI, false>(p, stream, detail);
+  if (p.bound_bits == nullptr) {
+    *detail = "the deterministic backward needs its bound word";
+    return LaunchStatus::kInvalidProblem;
+  }
+  return run_bwd_heads<DI, true>(p, stream, detail);
 }
 
 }  // namespace indexer
