@@ -17,8 +17,9 @@
 //
 // kDeterministic: the dK rows are rounded to 64-bit fixed-point integers
 // (fixed_point.cuh) and added by bulk integer reductions into the workspace,
-// 64 dims at a time: an int64 chunk of 64 rows takes the bytes of the float
-// staging rows, so the ring keeps its stages.
+// 32 dims at a time through two staging buffers: each warp stages and
+// reduces its own 16 rows, so a chunk waits only for its warp's reductions
+// two chunks back to have been read, and the ring keeps its stages.
 //
 // Served: DI in {64, 128}, 1 <= HI <= 64 (one head tile: dQ's accumulators
 // of every head tile would not fit the registers).
@@ -84,12 +85,15 @@ struct BwdConfig {
   // source) and padded by 32 bytes: the 8 rows a warp's float2 stores touch
   // then fall on 4 distinct bank groups (2 wavefronts, the minimum).
   static constexpr int kDkRowFloats = DI + 8;
-  // Deterministic: a chunk of 64 dims per row as int64, padded by 32 bytes
-  // (a warp's 16-byte stores of 8 rows then take 4 wavefronts, the minimum).
-  static constexpr int kFixedChunkDims = 64;
+  // Deterministic: two buffers of a 32-dim chunk per row as int64, rows
+  // padded by 32 bytes (a warp's 16-byte stores of 8 rows then take 4
+  // wavefronts, the minimum).
+  static constexpr int kFixedChunkDims = 32;
   static constexpr int kFixedChunks = DI / kFixedChunkDims;
+  static constexpr int kFixedBuffers = 2;
   static constexpr int kDkRowFixed = kFixedChunkDims + 4;
-  using DkStage = std::conditional_t<kDeterministic, long long[kBlockTopk][kDkRowFixed], float[kBlockTopk][kDkRowFloats]>;
+  using DkStage = std::conditional_t<kDeterministic, long long[kFixedBuffers][kBlockTopk][kDkRowFixed],
+                                     float[kBlockTopk][kDkRowFloats]>;
   static constexpr int kDkStageBytes = int(sizeof(DkStage));
   static constexpr int kStages =
       (kSmemBudget - kSmemAlign - kQBytes - kDzBytes - kDkStageBytes - kMiscBytes) / (64 * kDimTile * 2);

@@ -77,20 +77,21 @@ __device__ __forceinline__ void stage_dk_rows(typename Cfg::SharedMemoryPlan& pl
   if (q == 0) plan.row_key[r0] = key[0], plan.row_key[r0 + 8] = key[1];
 }
 
-// Deterministic mode: dims [64 c, 64 c + 64) of the block's dK rows as
-// fixed-point integers (each thread's pairs as one 16-byte store).
+// Deterministic mode: dims [32 c, 32 c + 32) of the thread's dK rows as
+// fixed-point integers into staging buffer c % 2 (each pair one 16-byte store).
 template <class Cfg, class Acc>
 __device__ __forceinline__ void stage_dk_fixed_chunk(typename Cfg::SharedMemoryPlan& plan, const Acc& acc, int chunk,
                                                      int r0, int q) {
   constexpr int kPairs = Cfg::kFixedChunkDims / 8;
-  const float scale = plan.to_fixed;
+  const float two_to_f = plan.to_fixed;  // from shared memory: no register held across the loop
+  auto& buffer = plan.dk[chunk % Cfg::kFixedBuffers];
   CUTE_UNROLL
   for (int jj = 0; jj < kPairs; ++jj)
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       const int j = chunk * kPairs + jj;
-      *reinterpret_cast<longlong2*>(&plan.dk[r0 + 8 * rh][8 * jj + 2 * q]) =
-          make_longlong2(to_fixed(acc(4 * j + 2 * rh), scale), to_fixed(acc(4 * j + 2 * rh + 1), scale));
+      *reinterpret_cast<longlong2*>(&buffer[r0 + 8 * rh][8 * jj + 2 * q]) =
+          make_longlong2(to_fixed(acc(4 * j + 2 * rh), two_to_f), to_fixed(acc(4 * j + 2 * rh + 1), two_to_f));
     }
 }
 
@@ -109,8 +110,12 @@ __device__ __forceinline__ void reduce_row_async(long long* dst, const long long
                : "memory");
 }
 __device__ __forceinline__ void commit_reductions() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// The thread's reductions have read their shared source (it may be rewritten).
-__device__ __forceinline__ void wait_reductions_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// The thread's reductions, all but the newest kPending groups, have read
+// their shared source (it may be rewritten).
+template <int kPending = 0>
+__device__ __forceinline__ void wait_reductions_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
 // The thread's reductions are complete.
 __device__ __forceinline__ void wait_reductions() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
@@ -255,8 +260,10 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
     }
     cutlass::arch::fence_view_async_shared();  // dz's generic-proxy stores, before WGMMA reads them
     // The previous block's reductions have read the dK staging rows, which
-    // this block rewrites after the sync.
-    if (reducer) wait_reductions_read();
+    // this block rewrites after the sync. (Deterministic mode: each warp
+    // waits for its own rows' buffer before staging each chunk.)
+    if constexpr (!Cfg::kDeterministic)
+      if (reducer) wait_reductions_read();
     consumer_sync();
 
     CUTE_UNROLL
@@ -292,22 +299,26 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
         commit_reductions();
       }
     } else {
+      // All warps are past their WGMMA waits: the next block's dz stores
+      // cannot overtake this block's reads of sDz. From here on each warp
+      // stages and reduces its own rows 16 warp .. 16 warp + 15.
+      consumer_sync();
       if (q == 0) plan.row_key[r0] = key[0], plan.row_key[r0 + 8] = key[1];
       CUTE_UNROLL
       for (int chunk = 0; chunk < Cfg::kFixedChunks; ++chunk) {
-        if (chunk > 0) {  // the previous chunk's reductions have read the staging rows
-          if (reducer) wait_reductions_read();
-          consumer_sync();
-        }
+        // The buffer's previous chunk (this block's or the last block's, two
+        // chunks back) has been read; the newest group may still be pending.
+        if (reducer) wait_reductions_read<Cfg::kFixedBuffers - 1>();
+        __syncwarp();
         stage_dk_fixed_chunk<Cfg>(plan, acc_dk, chunk, r0, q);
         cutlass::arch::fence_view_async_shared();
-        consumer_sync();  // as above: also orders this block's sDz reads before the next block's stores
+        __syncwarp();
         if (reducer) {
           const int r = 16 * warp + lane;
           const int32_t row_key = plan.row_key[r];
           if (row_key >= 0)
-            reduce_row_async(d_keys + int64_t(row_key) * DI + chunk * Cfg::kFixedChunkDims, plan.dk[r],
-                             Cfg::kFixedChunkDims * int(sizeof(long long)));
+            reduce_row_async(d_keys + int64_t(row_key) * DI + chunk * Cfg::kFixedChunkDims,
+                             plan.dk[chunk % Cfg::kFixedBuffers][r], Cfg::kFixedChunkDims * int(sizeof(long long)));
           commit_reductions();
         }
       }
