@@ -2,6 +2,10 @@
 
     ncu --kernel-name regex:"attn_dist_kernel|indexer_fwd_kernel" --launch-skip 2 --launch-count 1 --set full \
         python3 tools/profile_kernel.py v32-h64
+    ncu --kernel-name kns=indexer_bwd_kernel ... python3 tools/profile_kernel.py idx-v32 bwd-det
+
+An indexer shape takes a second argument: fwd (default), bwd or bwd-det (the
+backward alone, in float32-atomic or deterministic mode).
 """
 
 import sys
@@ -16,7 +20,15 @@ from jax_attn_dist import synthetic  # noqa: E402
 name = sys.argv[1] if len(sys.argv) > 1 else "v32-h128"
 if name in INDEXER_SHAPES:
     args, kw = indexer_problem(*INDEXER_SHAPES[name], seed=0)
-    f = jax.jit(lambda *a: jax_attn_dist.indexer_kl(*a, implementation="cuda", **kw))
+    which = sys.argv[2] if len(sys.argv) > 2 else "fwd"
+    if which == "fwd":
+        f = jax.jit(lambda *a: jax_attn_dist.indexer_kl(*a, implementation="cuda", **kw))
+    else:
+        fwd = lambda iq, ik, w: jax_attn_dist.indexer_kl(iq, ik, w, *args[3:], deterministic=which == "bwd-det",  # noqa: E731
+                                                         **kw)
+        out, vjp = jax.vjp(fwd, *args[:3])
+        g = jax.numpy.full(out.shape, 1.0 / out.size, jax.numpy.float32)
+        f, args = jax.jit(lambda vjp, g: vjp(g)), (vjp, g)
 else:
     S, N, H, T, D = ATTN_SHAPES[name]
     p = synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=0)
