@@ -129,10 +129,13 @@ def test_shard_map_with_user_offsets_bitwise():
     assert kernel_calls(f.lower(*prob.arrays, q_start).compile().as_text()) == [f"f32[1,2,{S // 2},{T}]"]
 
 
-def test_indexer_sequence_sharded_over_2_gpus():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_indexer_sequence_sharded_over_2_gpus(deterministic):
     """indexer_kl with S over 2 GPUs: the forward is bit-identical to one GPU
     (one kernel call per shard, no collective); the gradients equal one GPU's,
-    with each shard's partial d index_k summed by one all-reduce."""
+    with each shard's partial d index_k (from the backward kernel, in either
+    mode) summed by one all-reduce; deterministic=True repeats its bits."""
+    from jax_attn_dist._contract import FFI_INDEXER_BWD
     from jax_attn_dist import indexer_kl
     from jax_attn_dist._contract import FFI_INDEXER_FWD
 
@@ -142,7 +145,7 @@ def test_indexer_sequence_sharded_over_2_gpus():
     u = jax.random.uniform(jax.random.key(5), (S, T))
     t = jnp.where(idx[:, 0, :] >= 0, u, 0.0)
     target = t / jnp.maximum(t.sum(-1, keepdims=True), 1e-30)
-    kw = dict(causal=True, k_stride=1, implementation="cuda")
+    kw = dict(causal=True, k_stride=1, implementation="cuda", deterministic=deterministic)
     q_start = jnp.int32(prob.q_start_index)
     f = lambda a, b, c, d, e, s: indexer_kl(a, b, c, d, e, q_start_index=s, **kw)  # noqa: E731
     args = (*ix.arrays, idx, target, q_start)
@@ -167,3 +170,7 @@ def test_indexer_sequence_sharded_over_2_gpus():
                                    atol=1e-3 * float(jnp.abs(b.astype(jnp.float32)).max()))
     hlo = g_sharded.lower(*args).compile().as_text()
     assert re.search(r"\ball-reduce(-start)?\(", hlo) and not re.search(r"\ball-gather(-start)?\(", hlo)
+    assert len(re.findall(rf'custom_call_target="{FFI_INDEXER_BWD}"', hlo)) == 1
+    if deterministic:
+        for a, b in zip(g, g_sharded(*args)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
