@@ -502,3 +502,23 @@ def test_empty_problem_with_packing():
     out = indexer_loss(q, k, lse, q, k[:, 0], lse, idx[..., :0], sm_scale=0.1, cu_seqlens_q=CU, cu_seqlens_k=CU,
                        q_start_index=jnp.zeros((2,), jnp.int32), topk_length=jnp.zeros((5,), jnp.int32))
     assert out.shape == (5,) and np.all(np.asarray(out) == 0)
+
+
+def test_export_takes_the_boundaries_as_inputs():
+    """One exported function serves any boundary values (they are operands,
+    not constants)."""
+    from jax import export
+
+    case = dict(name="export", S=16, N=20, T=8, cu_q=[0, 7, 14], cu_k=[0, 9, 18], q_start=[0, 2])
+    q, k, idx, lse, rule, pk = attn_problem(case)
+    rule = {k_: v for k_, v in rule.items() if k_ != "q_start_index"}
+    f = jax.jit(lambda q, k, i, l, cq, ck, s: attn_dist(q, k, i, l, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                                        q_start_index=s, **rule))
+    qs = jnp.asarray([0, 2], jnp.int32)
+    exp = export.export(f, platforms=["cpu"])(q, k, idx, lse, pk["cu_seqlens_q"], pk["cu_seqlens_k"], qs)
+    for cq, ck in (([0, 7, 14], [0, 9, 18]), ([0, 3, 16], [0, 4, 20]), ([0, 9, 4], [0, 9, 18])):
+        cq, ck = i32(cq), i32(ck)
+        np.testing.assert_array_equal(exp.call(q, k, idx, lse, cq, ck, qs), f(q, k, idx, lse, cq, ck, qs))
+        oracle.assert_within_spec(exp.call(q, k, idx, lse, cq, ck, qs), oracle.attn_dist_oracle(
+            q, k, idx, lse, q_start_index=np.asarray(qs), cu_seqlens_q=np.asarray(cq), cu_seqlens_k=np.asarray(ck),
+            **rule))
