@@ -4,6 +4,9 @@
   top-k keys (the indexer's target; docs/SPEC.md §2).
 * :func:`indexer_kl`, :func:`indexer_loss`: the lightning indexer's KL loss
   (docs/SPEC.md §5).
+* All three take packed sequences (``cu_seqlens_q``/``cu_seqlens_k``) and
+  per-row top-k lengths (``topk_length``), docs/SPEC.md §6;
+  :func:`cu_seqlens_from_segment_ids` builds the boundaries.
 
 ``python -m jax_attn_dist`` runs a demo.
 """
@@ -11,6 +14,7 @@
 from ._contract import HEADS_PER_GROUP, indexer_kernel_supports, kernel_supports
 from .api import attn_dist, indexer_kl, indexer_loss, kernel_available
 from .indexer_primitive import indexer_kl_p
+from .packing import cu_seqlens_from_segment_ids
 from .primitive import attn_dist_p
 from .reference import attn_dist_reference, indexer_kl_reference
 
@@ -22,6 +26,7 @@ __all__ = [
     "attn_dist",
     "attn_dist_p",
     "attn_dist_reference",
+    "cu_seqlens_from_segment_ids",
     "indexer_kernel_supports",
     "indexer_kl",
     "indexer_kl_p",

@@ -596,3 +596,120 @@ def indexer_bwd_workspace_bytes(problem: IndexerProblem, *, deterministic: bool)
     fixed-point d index_k sums [B, N, DI] and one int64 word for the rows'
     bound when ``deterministic``, else none."""
     return 8 * (problem.B * problem.N * problem.DI + 1) if deterministic else 0
+
+
+# ----------------------------------------------------------------------------
+# packed sequences and per-row top-k lengths (SPEC §6)
+# ----------------------------------------------------------------------------
+
+
+def _check_int_array(name: str, x: Any, who: str, what: str):
+    """An integer array (cast to int32 by the caller) whose values fit int32:
+    a wider dtype is accepted only when concrete and in range, as for
+    ``q_start_index``. Returns the array as given."""
+    if isinstance(x, (bool, np.bool_)) or not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{who}: `{name}` must be an int32 array {what}, got {type(x).__name__}: {x!r}")
+    dt = jnp.dtype(x.dtype)
+    if not jnp.issubdtype(dt, jnp.integer):
+        raise TypeError(f"{who}: `{name}` must have an integer dtype (int32; it is cast to int32), "
+                        f"got {_dtype_name(dt)}")
+    info = jnp.iinfo(dt)
+    if info.min < INT32_MIN or info.max > INT32_MAX:  # the cast to int32 could wrap
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(f"{who}: a traced `{name}` must be int32 (or narrower), got {_dtype_name(dt)}, "
+                            "whose values cannot be range-checked at trace time")
+        values = np.asarray(x)
+        if values.size and (values.min() < INT32_MIN or values.max() > INT32_MAX):
+            raise ValueError(f"{who}: `{name}` must fit in int32, got values in [{values.min()}, {values.max()}]")
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """The checked SPEC §6 keywords of one call (arrays as given, not yet
+    cast). ``packed``: cu_seqlens were given (then ``q_start_index`` is an int
+    or an array of shape [] or [num_seqs]); ``active``: any §6 keyword was."""
+
+    topk_length: Any = None
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
+    q_start_index: Any = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def active(self) -> bool:
+        return self.packed or self.topk_length is not None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.cu_seqlens_q.shape[0]) - 1 if self.packed else 0
+
+
+def check_packing(topk_length, cu_seqlens_q, cu_seqlens_k, q_start_index, problem, who: str = "attn_dist") -> Packing:
+    """Validates SPEC §6's keywords together with ``q_start_index`` (which,
+    with cu_seqlens, is per sequence rather than per batch element).
+    ``problem``: a :class:`Problem` or :class:`IndexerProblem`."""
+    lead = (problem.B,) if problem.batched else ()
+    if topk_length is not None:
+        _check_int_array("topk_length", topk_length, who, "of shape [B?, S]")
+        shape = tuple(int(d) for d in topk_length.shape)
+        want = lead + (problem.S,)
+        if shape != want:
+            names = "[B, S]" if problem.batched else "[S]"
+            raise ValueError(f"{who}: `topk_length` must have shape {names} = {_fmt(want)} (one length per query "
+                             f"row), got {_fmt(shape)}")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        given, missing = ("cu_seqlens_q", "cu_seqlens_k") if cu_seqlens_k is None else ("cu_seqlens_k",
+                                                                                         "cu_seqlens_q")
+        raise ValueError(f"{who}: `{given}` was given without `{missing}`: the packed-sequence boundaries of the "
+                         "queries and of the keys are given together (pass the same array twice when q and k "
+                         "share one layout)")
+    if cu_seqlens_q is None:
+        return Packing(topk_length=topk_length, q_start_index=check_q_start_index(q_start_index, problem, who))
+    if problem.batched:
+        raise ValueError(f"{who}: `cu_seqlens_q`/`cu_seqlens_k` are accepted only with unbatched inputs (packed "
+                         f"sequences share one row of tokens); the inputs carry a batch dimension B = {problem.B} "
+                         "(use jax.vmap to give each example its own boundaries)")
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_int_array(name, x, who, "of shape [num_seqs + 1]")
+        if x.ndim != 1 or int(x.shape[0]) < 1:
+            raise ValueError(f"{who}: `{name}` must have shape [num_seqs + 1] (rank 1, at least one entry), got "
+                             f"{_fmt(x.shape)}")
+    if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape):
+        raise ValueError(f"{who}: `cu_seqlens_q` and `cu_seqlens_k` must have the same shape [num_seqs + 1], got "
+                         f"{_fmt(cu_seqlens_q.shape)} and {_fmt(cu_seqlens_k.shape)}")
+    num_seqs = int(cu_seqlens_q.shape[0]) - 1
+    if isinstance(q_start_index, (bool, np.bool_)):
+        raise TypeError(f"{who}: `q_start_index` must be an int or an int32 array, got a bool")
+    if isinstance(q_start_index, int):
+        if not (INT32_MIN <= q_start_index <= INT32_MAX):
+            raise ValueError(f"{who}: `q_start_index` must fit in int32, got {q_start_index}")
+    else:
+        _check_int_array("q_start_index", q_start_index, who, "of shape [] or [num_seqs] (or a Python int)")
+        shape = tuple(int(d) for d in q_start_index.shape)
+        if shape not in ((), (num_seqs,)):
+            raise ValueError(f"{who}: with cu_seqlens, `q_start_index` must be a Python int or an array of shape [] "
+                             f"or [num_seqs] = [{num_seqs}] (one start position per sequence), got {_fmt(shape)}")
+    return Packing(topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   q_start_index=q_start_index)
+
+
+def check_num_seqs(num_seqs: Any, who: str = "cu_seqlens_from_segment_ids") -> int:
+    if isinstance(num_seqs, (bool, np.bool_)) or not isinstance(num_seqs, (int, np.integer)):
+        raise TypeError(f"{who}: `num_seqs` must be a Python int >= 0 (static), got "
+                        f"{type(num_seqs).__name__}: {num_seqs!r}")
+    value = int(num_seqs)
+    if not (0 <= value < INT32_MAX):
+        raise ValueError(f"{who}: `num_seqs` must be an int >= 0, got {value}")
+    return value
+
+
+def check_segment_ids(segment_ids: Any, who: str = "cu_seqlens_from_segment_ids"):
+    _check_int_array("segment_ids", segment_ids, who, "of shape [S] or [B, S]")
+    if segment_ids.ndim not in (1, 2):
+        raise ValueError(f"{who}: `segment_ids` must have rank 1 [S] or rank 2 [B, S], got shape "
+                         f"{_fmt(segment_ids.shape)}")
+    return segment_ids

@@ -1,11 +1,13 @@
 """The public functions: ``attn_dist`` (SPEC §2), ``indexer_kl`` and
-``indexer_loss`` (SPEC §5).
+``indexer_loss`` (SPEC §5), all three with SPEC §6's packed sequences and
+per-row top-k lengths.
 
 Each validates its arguments at trace time (``_contract``), adds B = 1 when
 the inputs are unbatched, binds its logical primitive through its custom VJP
 (``autodiff``), and squeezes back. Importing this module registers the vmap
 rules (``batching``) and, through the primitives, the sharding rules
-(``sharding``).
+(``sharding``). SPEC §6 is applied before the primitives, by masking the
+indices (``packing``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _contract, _ext
+from . import _contract, _ext, packing
 from . import batching, indexer_primitive, primitive, sharding  # noqa: F401  (vmap and sharding rules)
 from .autodiff import attn_dist_canonical, indexer_kl_canonical
 from .reference import canonicalize
@@ -38,7 +40,7 @@ def _require_kernel(who: str, supported, why: str) -> None:
 
 def attn_dist(
     q, k, indices, lse, *, sm_scale, causal=True, q_start_index=0, k_stride=1,
-    lse_base="2", implementation=None,
+    lse_base="2", implementation=None, topk_length=None, cu_seqlens_q=None, cu_seqlens_k=None,
 ):
     """Per-head-group attention probabilities on the top-k keys (SPEC §2).
 
@@ -78,6 +80,19 @@ def attn_dist(
       implementation: ``None`` (the CUDA kernel where it applies when lowered
         for CUDA, else XLA), ``"cuda"`` (raise if the kernel cannot serve the
         call) or ``"xla"`` (the jnp reference).
+      topk_length: optional int32 ``[B?, S]`` (may be traced): slot ``j`` of
+        row ``s`` is valid only if ``j < clamp(topk_length[s], 0, T)``
+        (SPEC §6.1).
+      cu_seqlens_q, cu_seqlens_k: optional int32 ``[num_seqs + 1]`` (values
+        may be traced), given together and only with unbatched inputs:
+        packed sequences (SPEC §6.2). Row ``s`` of sequence ``b``
+        (``cu_seqlens_q[b] <= s < cu_seqlens_q[b + 1]``) sees only keys
+        ``cu_seqlens_k[b] <= i < cu_seqlens_k[b + 1]`` (indices are absolute
+        rows of ``k``), causally relative to its sequence; ``q_start_index``
+        is then an int or an int32 ``[num_seqs]`` array (each sequence's
+        first query position). Padding rows and rows touched by malformed
+        boundaries (SPEC §6.3) give 0. See
+        :func:`cu_seqlens_from_segment_ids`.
 
     Returns:
       float32 ``[B?, G, S, T]`` with ``G = ceil(H / 64)``.
@@ -90,19 +105,21 @@ def attn_dist(
     problem = _contract.check_problem(q, k, indices, lse)
     params = _contract.check_params(sm_scale=sm_scale, causal=causal, k_stride=k_stride, lse_base=lse_base)
     implementation = _contract.check_implementation(implementation)
-    q_start_index = _contract.check_q_start_index(q_start_index, problem)
+    packed = _contract.check_packing(topk_length, cu_seqlens_q, cu_seqlens_k, q_start_index, problem)
     if implementation == "cuda":
         _require_kernel("attn_dist", *_contract.kernel_supports(problem))
     if problem.is_empty:
         return jnp.zeros(problem.out_shape, jnp.float32)
+    indices, causal, q_start_index = packing.restrict_indices(indices, packed, N=problem.N, causal=params.causal,
+                                                              k_stride=params.k_stride)
     args = canonicalize(problem, q, k, indices, lse, q_start_index)
-    out = attn_dist_canonical(*args, implementation=implementation, **params.as_dict())
+    out = attn_dist_canonical(*args, implementation=implementation, **dict(params.as_dict(), causal=causal))
     return out if problem.batched else out[0]
 
 
 def indexer_kl(
     index_q, index_k, weights, indices, target, *, scale=1.0, causal=True, q_start_index=0, k_stride=1,
-    deterministic=False, implementation=None,
+    deterministic=False, implementation=None, topk_length=None, cu_seqlens_q=None, cu_seqlens_k=None,
 ):
     """The lightning indexer's KL loss per query row (SPEC §5).
 
@@ -134,6 +151,9 @@ def indexer_kl(
       implementation: ``None`` (the CUDA kernel where it applies when lowered
         for CUDA, else XLA), ``"cuda"`` (raise if the forward kernel cannot
         serve the call) or ``"xla"``.
+      topk_length, cu_seqlens_q, cu_seqlens_k: SPEC §6, as in
+        :func:`attn_dist` (they restrict ``valid(s, j)``; rows of no
+        sequence give 0).
 
     Returns:
       float32 ``[B?, S]``: the per-row KL; mask and reduce it as you need.
@@ -145,19 +165,22 @@ def indexer_kl(
     params = _contract.check_indexer_params(scale=scale, causal=causal, k_stride=k_stride,
                                             deterministic=deterministic)
     implementation = _contract.check_implementation(implementation, "indexer_kl")
-    q_start_index = _contract.check_q_start_index(q_start_index, problem, "indexer_kl")
+    packed = _contract.check_packing(topk_length, cu_seqlens_q, cu_seqlens_k, q_start_index, problem, "indexer_kl")
     if implementation == "cuda":
         _require_kernel("indexer_kl", *_contract.indexer_kernel_supports(problem))
     if problem.is_empty:
         return jnp.zeros(problem.out_shape, jnp.float32)
+    indices, causal, q_start_index = packing.restrict_indices(indices, packed, N=problem.N, causal=params.causal,
+                                                              k_stride=params.k_stride)
     args = canonicalize(problem, index_q, index_k, weights, indices, target, q_start_index)
-    kl = indexer_kl_canonical(*args, implementation=implementation, **params.as_dict())
+    kl = indexer_kl_canonical(*args, implementation=implementation, **dict(params.as_dict(), causal=causal))
     return kl if problem.batched else kl[0]
 
 
 def indexer_loss(
     q, k, lse, index_q, index_k, weights, indices, *, sm_scale, lse_base="2", causal=True, q_start_index=0,
-    k_stride=1, scale=1.0, deterministic=False, implementation=None,
+    k_stride=1, scale=1.0, deterministic=False, implementation=None, topk_length=None, cu_seqlens_q=None,
+    cu_seqlens_k=None,
 ):
     """The whole DSA indexer loss per query row (SPEC §5.4): the target is the
     main attention's mass on each slot, all heads summed and L1-normalised
@@ -167,7 +190,8 @@ def indexer_loss(
     ``q, k, lse, indices`` are :func:`attn_dist`'s (with HK = 1: one index
     list per query, shared with the indexer); ``index_q, index_k, weights``,
     ``scale`` and ``deterministic`` are :func:`indexer_kl`'s; ``causal``,
-    ``q_start_index``, ``k_stride`` and ``implementation`` apply to both.
+    ``q_start_index``, ``k_stride``, ``implementation`` and SPEC §6's
+    ``topk_length``, ``cu_seqlens_q``, ``cu_seqlens_k`` apply to both.
     Returns float32 ``[B?, S]``. Gradients flow to index_q, index_k and
     weights only.
     """
@@ -183,8 +207,13 @@ def indexer_loss(
     _contract.check_indexer_params(scale=scale, causal=causal, k_stride=k_stride, deterministic=deterministic,
                                    who=who)
     _contract.check_implementation(implementation, who)
-    _contract.check_q_start_index(q_start_index, problem, who)
+    packed = _contract.check_packing(topk_length, cu_seqlens_q, cu_seqlens_k, q_start_index, problem, who)
 
+    if not problem.is_empty:  # SPEC §6 once, for both steps
+        indices, causal, q_start_index = packing.restrict_indices(indices, packed, N=problem.N, causal=causal,
+                                                                  k_stride=k_stride)
+    elif packed.packed:
+        q_start_index = 0  # nothing is computed; keep the unpacked calls' q_start_index check happy
     rule = dict(causal=causal, q_start_index=q_start_index, k_stride=k_stride, implementation=implementation)
     dist = attn_dist(q, k, indices, lse, sm_scale=sm_scale, lse_base=lse_base, **rule)  # [B?, G, S, T]
     mass = dist.sum(axis=-3)                                                           # [B?, S, T]

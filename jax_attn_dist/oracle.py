@@ -1,4 +1,4 @@
-"""An independent float64 NumPy evaluation of SPEC §2 and §5 (no jax).
+"""An independent float64 NumPy evaluation of SPEC §2, §5 and §6 (no jax).
 
 Written from docs/SPEC.md alone, sharing no code with the jnp paths: the
 demo checks its result against it on every machine, the CPU tests check the
@@ -22,27 +22,91 @@ def to_f64(x) -> np.ndarray:
     return np.asarray(x).astype(np.float32).astype(np.float64)
 
 
-def _prepare(q, k, indices, q_start_index):
+def _q_start(q_start_index, B, packing):
+    """q_start_index as int64: per batch element [B], or as given (an int or
+    a per-sequence array) with SPEC §6's cu_seqlens."""
+    if packing.get("cu_seqlens_q") is not None:
+        return q_start_index
+    return np.broadcast_to(np.asarray(q_start_index).astype(np.int64), (B,))
+
+
+def _prepare(q, k, indices, q_start_index, packing=None):
     q, k = to_f64(q), np.asarray(k)  # k stays in its dtype: only gathered rows are widened
     idx = np.asarray(indices).astype(np.int64)
     batched = q.ndim == 4
     if not batched:
         q, k, idx = q[None], k[None], idx[None]
     B = q.shape[0]
-    q_start = np.broadcast_to(np.asarray(q_start_index).astype(np.int64), (B,))
-    return batched, q, k, idx, q_start
+    return batched, q, k, idx, _q_start(q_start_index, B, packing or {})
 
 
-def valid_mask(indices, N, *, causal, q_start_index, k_stride):
-    """bool [B, S, HK, T] (canonical, batched) per SPEC §2."""
+def valid_mask(indices, N, *, causal, q_start_index, k_stride, topk_length=None, cu_seqlens_q=None,
+               cu_seqlens_k=None):
+    """bool [B, S, HK, T] (canonical, batched) per SPEC §2, restricted by
+    SPEC §6 when ``topk_length`` ([B?, S]) or ``cu_seqlens_q``/``_k`` (then
+    B = 1, and ``q_start_index`` is an int or a per-sequence array) are
+    given."""
     idx = np.asarray(indices).astype(np.int64)
-    B, S = idx.shape[:2]
-    q_start = np.broadcast_to(np.asarray(q_start_index).astype(np.int64), (B,))
-    valid = (idx >= 0) & (idx < N)
-    if causal:
-        s = np.arange(S, dtype=np.int64)
-        limit = (q_start[:, None] + s[None, :] + 1 - k_stride) // k_stride  # floor
-        valid &= idx <= limit[:, :, None, None]
+    B, S, HK, T = idx.shape
+    if cu_seqlens_q is not None:
+        assert B == 1, "cu_seqlens: unbatched problems only"
+        valid = packed_valid_mask(idx[0], N, causal=causal, q_start_index=q_start_index, k_stride=k_stride,
+                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)[None]
+    else:
+        q_start = np.broadcast_to(np.asarray(q_start_index).astype(np.int64), (B,))
+        valid = (idx >= 0) & (idx < N)
+        if causal:
+            s = np.arange(S, dtype=np.int64)
+            limit = (q_start[:, None] + s[None, :] + 1 - k_stride) // k_stride  # floor
+            valid &= idx <= limit[:, :, None, None]
+    if topk_length is not None:
+        # SPEC §6.1: slot j valid only if j < clamp(topk_length[s], 0, T)
+        length = np.clip(np.asarray(topk_length).astype(np.int64).reshape(B, S), 0, T)
+        valid &= np.arange(T)[None, None, None, :] < length[:, :, None, None]
+    return valid
+
+
+def packed_owner(cu_seqlens_q, cu_seqlens_k, S, N):
+    """SPEC §6.2/§6.3, row by row: a list of S entries, the sequence b row s
+    belongs to, or None (padding or a malformed boundary). A sequence b
+    claims row s when cu_q[b] <= s < cu_q[b+1]; it is well-formed when
+    0 <= cu_q[b] <= cu_q[b+1] <= S and 0 <= cu_k[b] <= cu_k[b+1] <= N; a
+    row belongs to b when b is its only claimer and is well-formed."""
+    cu_q = [int(x) for x in np.asarray(cu_seqlens_q).reshape(-1)]
+    cu_k = [int(x) for x in np.asarray(cu_seqlens_k).reshape(-1)]
+    num_seqs = len(cu_q) - 1
+    well = [0 <= cu_q[b] <= cu_q[b + 1] <= S and 0 <= cu_k[b] <= cu_k[b + 1] <= N for b in range(num_seqs)]
+    owner = []
+    for s in range(S):
+        claimers = [b for b in range(num_seqs) if cu_q[b] <= s < cu_q[b + 1]]
+        owner.append(claimers[0] if len(claimers) == 1 and well[claimers[0]] else None)
+    return owner
+
+
+def packed_valid_mask(indices, N, *, causal, q_start_index, k_stride, cu_seqlens_q, cu_seqlens_k):
+    """bool [S, HK, T] for unbatched ``indices`` per SPEC §6.2 (without
+    topk_length), in Python integers."""
+    idx = np.asarray(indices).astype(np.int64)
+    S, HK, T = idx.shape
+    cu_q = [int(x) for x in np.asarray(cu_seqlens_q).reshape(-1)]
+    cu_k = [int(x) for x in np.asarray(cu_seqlens_k).reshape(-1)]
+    num_seqs = len(cu_q) - 1
+    if isinstance(q_start_index, (int, np.integer)) or np.ndim(q_start_index) == 0:
+        starts = [int(q_start_index)] * num_seqs
+    else:
+        starts = [int(x) for x in np.asarray(q_start_index).reshape(-1)]
+    valid = np.zeros((S, HK, T), bool)
+    for s, b in enumerate(packed_owner(cu_q, cu_k, S, N)):
+        if b is None:
+            continue  # padding, or a row touched by a malformed boundary: no valid slot
+        pos = s - cu_q[b] + starts[b]
+        for kh in range(HK):
+            for j in range(T):
+                i = int(idx[s, kh, j])
+                ok = cu_k[b] <= i < cu_k[b + 1]
+                if ok and causal:
+                    ok = i - cu_k[b] <= (pos + 1 - k_stride) // k_stride  # Python: exact, floor
+                valid[s, kh, j] = ok
     return valid
 
 
@@ -60,10 +124,11 @@ def _logits(q, k, idx, valid, sm_scale, b, s0, s1):
 
 def attn_dist_oracle(
     q, k, indices, lse, *, sm_scale, causal=True, q_start_index=0, k_stride=1, lse_base="2",
-    rows_per_block=16,
+    rows_per_block=16, **packing,
 ):
-    """float64 [B?, G, S, T] per SPEC §2 (heads grouped 64 at a time)."""
-    batched, q, k, idx, q_start = _prepare(q, k, indices, q_start_index)
+    """float64 [B?, G, S, T] per SPEC §2 (heads grouped 64 at a time);
+    ``packing``: SPEC §6's keywords."""
+    batched, q, k, idx, q_start = _prepare(q, k, indices, q_start_index, packing)
     lse = np.asarray(lse).astype(np.float64)
     if not batched:
         lse = lse[None]
@@ -73,7 +138,7 @@ def attn_dist_oracle(
     G = -(-H // HEADS_PER_GROUP)
     out = np.zeros((B, G, S, T), np.float64)
     if N > 0 and S > 0 and T > 0:
-        valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)
+        valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride, **packing)
         lse_e = lse * math.log(2.0) if lse_base == "2" else lse
         finite = np.isfinite(lse_e)
         lse_safe = np.where(finite, lse_e, 0.0)
@@ -94,17 +159,17 @@ def attn_dist_oracle(
 
 def exact_lse(
     q, k, indices, *, sm_scale, causal=True, q_start_index=0, k_stride=1, lse_base="2",
-    empty_value=np.inf,
+    empty_value=np.inf, **packing,
 ):
     """float64 [B?, S, H]: log-sum-exp (base ``lse_base``) of z over each
     head's valid slots; ``empty_value`` where there are none."""
-    batched, q, k, idx, q_start = _prepare(q, k, indices, q_start_index)
+    batched, q, k, idx, q_start = _prepare(q, k, indices, q_start_index, packing)
     B, S, H, D = q.shape
     N, HK = k.shape[1:3]
     T = idx.shape[-1]
     out = np.full((B, S, H), empty_value, np.float64)
     if N > 0 and S > 0 and T > 0:
-        valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)
+        valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride, **packing)
         for b in range(B):
             z = _logits(q, k, idx, valid, sm_scale, b, 0, S)  # [S, HK, Hg, T]
             v = np.broadcast_to(valid[b][:, :, None, :], z.shape)
@@ -165,7 +230,7 @@ def assert_indexer_close(out, ref, tol=INDEXER_TOLERANCE):
 # ----------------------------------------------------------------------------
 
 
-def _indexer_prepare(index_q, index_k, weights, indices, target, q_start_index):
+def _indexer_prepare(index_q, index_k, weights, indices, target, q_start_index, packing=None):
     iq = to_f64(index_q)
     ik = to_f64(index_k)
     w = to_f64(weights)
@@ -174,8 +239,7 @@ def _indexer_prepare(index_q, index_k, weights, indices, target, q_start_index):
     batched = iq.ndim == 4
     if not batched:
         iq, ik, w, idx, tg = iq[None], ik[None], w[None], idx[None], tg[None]
-    q_start = np.broadcast_to(np.asarray(q_start_index).astype(np.int64), (iq.shape[0],))
-    return batched, iq, ik, w, idx, tg, q_start
+    return batched, iq, ik, w, idx, tg, _q_start(q_start_index, iq.shape[0], packing or {})
 
 
 def _indexer_batch(iq, ik, w, idx, tg, valid, scale):
@@ -199,14 +263,14 @@ def _log_softmax_valid(logits, valid):
 
 
 def indexer_kl_oracle(index_q, index_k, weights, indices, target, *, scale=1.0, causal=True, q_start_index=0,
-                      k_stride=1):
+                      k_stride=1, **packing):
     """float64 [B?, S]: kl(s) = sum_j t (log t - log_p) per SPEC §5."""
     batched, iq, ik, w, idx, tg, q_start = _indexer_prepare(index_q, index_k, weights, indices, target,
-                                                            q_start_index)
+                                                            q_start_index, packing)
     B, S = iq.shape[:2]
     N = ik.shape[1]
     out = np.zeros((B, S))
-    valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)[:, :, 0, :]
+    valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride, **packing)[:, :, 0, :]
     for b in range(B):
         if S == 0 or idx.shape[-1] == 0:
             continue
@@ -219,7 +283,7 @@ def indexer_kl_oracle(index_q, index_k, weights, indices, target, *, scale=1.0, 
 
 
 def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale=1.0, causal=True,
-                         q_start_index=0, k_stride=1, magnitudes=False):
+                         q_start_index=0, k_stride=1, magnitudes=False, **packing):
     """float64 gradients (d index_q, d index_k, d weights) of sum_s g(s) kl(s)
     per SPEC §5.3's formulas (g [B?, S]).
 
@@ -231,7 +295,7 @@ def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale
     float32 z may fall on either side of 0 there, switching that whole term
     of d index_q and d index_k on or off. Returns (grads, mags, ambiguous)."""
     batched, iq, ik, w, idx, tg, q_start = _indexer_prepare(index_q, index_k, weights, indices, target,
-                                                            q_start_index)
+                                                            q_start_index, packing)
     gg = np.asarray(g).astype(np.float64)
     if not batched:
         gg = gg[None]
@@ -240,7 +304,7 @@ def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale
     d_iq, d_ik, d_w = np.zeros_like(iq), np.zeros_like(ik), np.zeros_like(w)
     m_iq, m_ik, m_w = np.zeros_like(iq), np.zeros_like(ik), np.zeros_like(w)
     a_iq, a_ik = np.zeros_like(iq), np.zeros_like(ik)
-    valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)[:, :, 0, :]
+    valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride, **packing)[:, :, 0, :]
     for b in range(B):
         if S == 0 or idx.shape[-1] == 0:
             continue
@@ -273,17 +337,18 @@ def indexer_grads_oracle(index_q, index_k, weights, indices, target, g, *, scale
     return d_iq, d_ik, d_w
 
 
-def indexer_lse_oracle(index_q, index_k, weights, indices, *, scale=1.0, causal=True, q_start_index=0, k_stride=1):
+def indexer_lse_oracle(index_q, index_k, weights, indices, *, scale=1.0, causal=True, q_start_index=0, k_stride=1,
+                       **packing):
     """float64 [B?, S]: the log-sum-exp of each row's valid logits (-inf
     for a row with none): the residual indexer_kl's forward saves."""
     T = np.asarray(indices).shape[-1]
     target = np.zeros(np.asarray(indices).shape[:-2] + (T,))
     batched, iq, ik, w, idx, tg, q_start = _indexer_prepare(index_q, index_k, weights, indices, target,
-                                                            q_start_index)
+                                                            q_start_index, packing)
     B, S = iq.shape[:2]
     N = ik.shape[1]
     out = np.full((B, S), -np.inf)
-    valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride)[:, :, 0, :]
+    valid = valid_mask(idx, N, causal=causal, q_start_index=q_start, k_stride=k_stride, **packing)[:, :, 0, :]
     for b in range(B):
         if S == 0 or T == 0:
             continue
