@@ -27,7 +27,8 @@ run() {  # name, command...
   echo "== $name rc=$rc ($((SECONDS - t0))s)"; tail -n 25 "$OUT/$name.log"
   return $rc
 }
-GPU_TESTS=(tests/test_kernel_gpu.py tests/test_gpu.py tests/test_gpu_transforms.py tests/test_indexer_gpu.py)
+GPU_TESTS=(tests/test_kernel_gpu.py tests/test_gpu.py tests/test_gpu_transforms.py tests/test_indexer_gpu.py
+           tests/test_packed_gpu.py)
 for step in "${steps[@]}"; do
   case $step in
     build)
