@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grad_util import assert_grad_close
+from indexer_cases import BWD_TOLERANCE
 from inputs import seed_of
 from jax_attn_dist import _contract, attn_dist, indexer_kl, oracle
 from test_packed import CASES, attn_problem, indexer_problem, no_owner_rows, oracle_kwargs, traced_call
@@ -59,9 +59,15 @@ def test_indexer_kernels_on_packed_inputs(case, deterministic):
     grad = jax.jit(jax.grad(lambda a, b, c: jnp.sum(g * fn(a, b, c, idx, tgt, **rule, **pk)), argnums=(0, 1, 2)))
     assert _contract.FFI_INDEXER_BWD in grad.lower(iq, ik, w).as_text()
     got_g = grad(iq, ik, w)
-    want = oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, **rule, **oracle_kwargs(pk))
-    for name, a, o in zip(("d_index_q", "d_index_k", "d_weights"), got_g, want):
-        assert_grad_close(a, o, name, 1e-2, 1e-3)
+    # SPEC §3.2's bound for the backward kernel (bf16 dz): per element, 2^-7
+    # of its terms' absolute sum, plus terms whose relu mask is ambiguous
+    want, mags, ambiguous = oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, **rule, magnitudes=True,
+                                                        **oracle_kwargs(pk))
+    for name, a, ref, mag, amb in zip(("d_index_q", "d_index_k", "d_weights"), got_g, want, mags, ambiguous):
+        a = np.asarray(jnp.asarray(a, jnp.float32))
+        bound = BWD_TOLERANCE * mag + amb + 1e-6 * np.abs(ref).max()
+        err = np.abs(a - ref)
+        assert np.all(err <= bound), f"{name}: max excess {np.max(err - bound):.3e}"
     if deterministic:
         for a, b in zip(got_g, grad(iq, ik, w)):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
