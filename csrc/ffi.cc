@@ -196,8 +196,7 @@ ffi::Error CheckIndexerOperands(const Checker& check, const ffi::Buffer<ffi::BF1
 }
 
 // The problem fields both indexer params structs share.
-template <class Params>
-void FillIndexerProblem(Params& p, const IndexerDims& d, const ffi::Buffer<ffi::BF16>& index_q,
+void FillIndexerProblem(IndexerProblemParams& p, const IndexerDims& d, const ffi::Buffer<ffi::BF16>& index_q,
                         const ffi::Buffer<ffi::BF16>& index_k, const ffi::Buffer<ffi::F32>& weights,
                         const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::F32>& target_dist,
                         const ffi::Buffer<ffi::S32>& q_start, float scale, bool causal, int32_t k_stride) {

@@ -30,11 +30,11 @@ struct AttnDistParams {
   float* out;
 };
 
-// indexer_kl's forward (docs/SPEC.md §5), canonical batched, row-major:
+// indexer_kl's operands (docs/SPEC.md §5), canonical batched, row-major:
 //   index_q [B, S, HI, DI] bf16, index_k [B, N, DI] bf16, weights [B, S, HI] f32,
-//   indices [B, S, 1, T] int32, target [B, S, T] f32, q_start [B] int32
-//   ->  kl [B, S] f32, lse [B, S] f32 (log-sum-exp of the row's valid logits).
-struct IndexerFwdParams {
+//   indices [B, S, 1, T] int32, target [B, S, T] f32, q_start [B] int32.
+// Shared by the forward and backward parameters (one FFI fill, one CTA set-up).
+struct IndexerProblemParams {
   int batch, s_q, s_kv, h_idx, d_idx, topk;
 
   bool causal;
@@ -47,6 +47,11 @@ struct IndexerFwdParams {
   const int32_t* indices;
   const float* target;
   const int32_t* q_start;
+};
+
+// indexer_kl's forward: -> kl [B, S] f32, lse [B, S] f32 (log-sum-exp of the
+// row's valid logits).
+struct IndexerFwdParams : IndexerProblemParams {
   float* kl;
   float* lse;
 };
@@ -64,19 +69,7 @@ struct IndexerFwdParams {
 //   set on the device from the largest per-row bound on the terms (bound_bits:
 //   a float's bits, max-reduced), so nothing overflows (SPEC §5.3). The caller
 //   zeroes dk_fixed and bound_bits first (one workspace, see the handler).
-struct IndexerBwdParams {
-  int batch, s_q, s_kv, h_idx, d_idx, topk;
-
-  bool causal;
-  int k_stride;
-  float scale;
-
-  const void* index_q;     // cutlass::bfloat16_t
-  const void* index_k;     // cutlass::bfloat16_t
-  const float* weights;
-  const int32_t* indices;
-  const float* target;
-  const int32_t* q_start;
+struct IndexerBwdParams : IndexerProblemParams {
   const float* lse;
   const float* g;
   void* d_index_q;         // cutlass::bfloat16_t

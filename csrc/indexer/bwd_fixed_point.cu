@@ -15,6 +15,9 @@ constexpr int kBoundThreads = 128;
 constexpr int kConvertThreads = 256;
 constexpr int64_t kConvertMaxCtas = 4096;  // a few waves; each CTA strides the rest
 
+// max(a, b) that keeps a NaN (fmaxf drops it): a NaN bound must reach bound_bits.
+__device__ __forceinline__ float nan_keeping_max(float a, float b) { return b > a || b != b ? b : a; }
+
 // One CTA per row: A = sum_t |target| (a fixed-order sum: the same bits every
 // run), R = max_d sum_h |w_h| |q_hd|, and the row's bound max-reduced into
 // bound_bits (an integer max of non-negative float bits: order-free).
@@ -34,12 +37,11 @@ __global__ void __launch_bounds__(kBoundThreads) row_bound_kernel(const __grid_c
   for (int d = tid; d < p.d_idx; d += kBoundThreads) {
     float s = 0.f;
     for (int h = 0; h < p.h_idx; ++h) s = fmaf(fabsf(__ldg(w + h)), fabsf(__bfloat162float(q[h * p.d_idx + d])), s);
-    r = s > r || s != s ? s : r;  // a NaN stays
+    r = nan_keeping_max(r, s);
   }
   for (int mask = 16; mask >= 1; mask >>= 1) {
     a += __shfl_xor_sync(0xffffffffu, a, mask);
-    const float other = __shfl_xor_sync(0xffffffffu, r, mask);
-    r = other > r || other != other ? other : r;
+    r = nan_keeping_max(r, __shfl_xor_sync(0xffffffffu, r, mask));
   }
   if (tid % 32 == 0) warp_a[tid / 32] = a, warp_r[tid / 32] = r;
   __syncthreads();
@@ -47,7 +49,7 @@ __global__ void __launch_bounds__(kBoundThreads) row_bound_kernel(const __grid_c
     float a_row = 0.f, r_row = 0.f;
     for (int w_ = 0; w_ < kBoundThreads / 32; ++w_) {
       a_row += warp_a[w_];
-      r_row = warp_r[w_] > r_row || warp_r[w_] != warp_r[w_] ? warp_r[w_] : r_row;
+      r_row = nan_keeping_max(r_row, warp_r[w_]);
     }
     const float bound = kRowBoundMargin * p.scale * fabsf(p.g[row]) * a_row * r_row;
     atomicMax(p.bound_bits, bound <= FLT_MAX ? __float_as_uint(bound) : kNonFiniteBoundBits);

@@ -63,18 +63,15 @@ __device__ __forceinline__ float row_target_mass(typename Cfg::SharedMemoryPlan&
 }
 
 // A block's dK rows (acc: 64 keys x DI, WGMMA C layout: value 4j + 2rh + e
-// is row r0 + 8rh, dim 8j + 2q + e) into the shared staging rows, and the
-// rows' keys (the quad's lane 0 knows them).
+// is row r0 + 8rh, dim 8j + 2q + e) into the shared staging rows.
 template <class Cfg, class Acc>
-__device__ __forceinline__ void stage_dk_rows(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
-                                              const int32_t (&key)[2], int r0, int q) {
+__device__ __forceinline__ void stage_dk_rows(typename Cfg::SharedMemoryPlan& plan, const Acc& acc, int r0, int q) {
   CUTE_UNROLL
   for (int j = 0; j < Cfg::DI / 8; ++j)
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh)
       *reinterpret_cast<float2*>(&plan.dk[r0 + 8 * rh][8 * j + 2 * q]) =
           make_float2(acc(4 * j + 2 * rh), acc(4 * j + 2 * rh + 1));
-  if (q == 0) plan.row_key[r0] = key[0], plan.row_key[r0 + 8] = key[1];
 }
 
 // Deterministic mode: dims [32 c, 32 c + 32) of the thread's dK rows as
@@ -286,8 +283,11 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
     for (int dt = 0; dt < kDimTiles; ++dt) warpgroup_fence_operand(acc_dq[dt]);
     warpgroup_fence_operand(acc_dk);
     release_block<Cfg>(plan, consumer, stage, lane);
+    // The block's rows' keys for the reducers (the quad's lane 0 knows them);
+    // the last block's reducers read theirs before this block's first barrier.
+    if (q == 0) plan.row_key[r0] = key[0], plan.row_key[r0 + 8] = key[1];
     if constexpr (!Cfg::kDeterministic) {
-      stage_dk_rows<Cfg>(plan, acc_dk, key, r0, q);
+      stage_dk_rows<Cfg>(plan, acc_dk, r0, q);
       cutlass::arch::fence_view_async_shared();  // the staging stores, before the copy engine reads them
       // All warps are past their WGMMA waits here, so the next block's dz
       // stores cannot overtake this block's reads of sDz either.
@@ -303,7 +303,6 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
       // cannot overtake this block's reads of sDz. From here on each warp
       // stages and reduces its own rows 16 warp .. 16 warp + 15.
       consumer_sync();
-      if (q == 0) plan.row_key[r0] = key[0], plan.row_key[r0 + 8] = key[1];
       CUTE_UNROLL
       for (int chunk = 0; chunk < Cfg::kFixedChunks; ++chunk) {
         // The buffer's previous chunk (this block's or the last block's, two

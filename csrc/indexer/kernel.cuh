@@ -103,9 +103,8 @@ struct CtaProblem {
   RowSlots slots;
 };
 
-// Params: IndexerFwdParams or IndexerBwdParams (the same problem fields).
-template <class Cfg, class Params>
-__device__ __forceinline__ CtaProblem locate_cta(const Params& p) {
+template <class Cfg>
+__device__ __forceinline__ CtaProblem locate_cta(const IndexerProblemParams& p) {
   CtaProblem c;
   c.s = blockIdx.x % p.s_q;
   c.batch = blockIdx.x / p.s_q;
@@ -134,8 +133,7 @@ __device__ __forceinline__ void prefetch_to_l2(const void* buffer, int64_t size,
 // blocks ahead, the consumer both; their first touch comes from HBM. Also the
 // indices of the row of the CTA that takes this one's place next (CTAs start
 // in order, `resident` at a time), so that its first blocks start from L2.
-template <class Params>
-__device__ __forceinline__ void prefetch_row(const Params& p, const CtaProblem& c, int resident) {
+__device__ __forceinline__ void prefetch_row(const IndexerProblemParams& p, const CtaProblem& c, int resident) {
   const int64_t row_bytes = int64_t(p.topk) * 4;
   const int64_t size = int64_t(p.batch) * p.s_q * row_bytes;
   prefetch_to_l2(p.indices, size, c.row * row_bytes, (c.row + 1) * row_bytes);
@@ -363,8 +361,8 @@ __device__ __forceinline__ typename Cfg::SharedMemoryPlan& init_plan(char* smem_
 // The producer warpgroup's row: one thread prefetches the row's indices and
 // targets and loads index_q by TMA; all feed the gather rings (slot indices
 // kLookahead blocks ahead).
-template <class Cfg, int kLookahead, class Params>
-__device__ __forceinline__ void produce_row(typename Cfg::SharedMemoryPlan& plan, const Params& params,
+template <class Cfg, int kLookahead>
+__device__ __forceinline__ void produce_row(typename Cfg::SharedMemoryPlan& plan, const IndexerProblemParams& params,
                                             const TmaParams& tma, const CtaProblem& cta, int thread_in_wg) {
   if (thread_in_wg == 0) {
     prefetch_row(params, cta, num_sms() * Cfg::kCtasPerSm);
@@ -382,9 +380,9 @@ __device__ __forceinline__ void produce_row(typename Cfg::SharedMemoryPlan& plan
 // z = 0 anyway; a zero weight keeps them out whatever the padding holds).
 // Loaded by the consumers alone (threads 0 .. 128 kNumConsumers - 1), so
 // that the producer starts at once.
-template <class Cfg, class Params>
-__device__ __forceinline__ void load_row_weights(typename Cfg::SharedMemoryPlan& plan, const Params& params,
-                                                 const CtaProblem& cta) {
+template <class Cfg>
+__device__ __forceinline__ void load_row_weights(typename Cfg::SharedMemoryPlan& plan,
+                                                 const IndexerProblemParams& params, const CtaProblem& cta) {
   const float* weights_row = params.weights + cta.row * params.h_idx;
   for (int h = threadIdx.x; h < Cfg::kMaxHeads; h += kNumConsumers * kWarpgroupThreads)
     plan.weights[h] = h < params.h_idx ? __ldg(weights_row + h) : 0.f;
