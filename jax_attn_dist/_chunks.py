@@ -114,14 +114,21 @@ def valid_slots(idx, b_rows, s_rows, qq, qr, *, N: int, causal: bool, k_stride: 
     idx_c = jnp.clip(idx, 0, max(N - 1, 0))
     if not causal:
         return in_range, idx_c
-    qq_r = qq[b_rows]  # [C]
-    qr_r = qr[b_rows]
+    return in_range & causal_visible(idx_c, s_rows, qq[b_rows], qr[b_rows], k_stride=k_stride), idx_c
+
+
+def causal_visible(i, offset, qq, qr, *, k_stride: int):
+    """The causal rule ``i <= floor((q0 + offset + 1 - ks) / ks)`` for key
+    positions ``i`` [C, HK, T] (in [-2^31, 2^31 - N]) of rows at ``offset`` [C]
+    (in [0, 2^31)) past a start ``q0 = ks*qq + qr`` (``qq``, ``qr`` [C], from
+    :func:`causal_parts`), exactly and without overflow: it reads
+    ``i - t + 1 <= qq`` with ``t = floor((qr + offset + 1) / ks)`` formed in
+    uint32 (``qr + offset + 1 < 2**32``)."""
     t = (
-        (qr_r.astype(jnp.uint32) + s_rows.astype(jnp.uint32) + jnp.uint32(1))
+        (qr.astype(jnp.uint32) + offset.astype(jnp.uint32) + jnp.uint32(1))
         // jnp.uint32(k_stride)
     ).astype(jnp.int32)
-    lhs = idx_c - (t - 1)[:, None, None]
-    return in_range & (lhs <= qq_r[:, None, None]), idx_c
+    return i - (t - 1)[:, None, None] <= qq[:, None, None]
 
 
 class ChunkScores(NamedTuple):

@@ -320,43 +320,44 @@ def check_problem(q, k, indices, lse, who: str = "attn_dist") -> Problem:
     return Problem(batched=batched, B=B, S=S, H=H, D=D, N=N, HK=HK, T=T, dtype=qdt)
 
 
+def _check_python_int32(name: str, value: Any, who: str) -> int:
+    """A Python int (not a bool) that fits int32."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{who}: `{name}` must be an int or an int32 array, got a bool")
+    value = int(value)
+    if not (INT32_MIN <= value <= INT32_MAX):
+        raise ValueError(f"{who}: `{name}` must fit in int32, got {value}")
+    return value
+
+
+def _check_int32_values(name: str, x: Any, who: str) -> None:
+    """An array (cast to int32 by the caller) of an integer dtype whose values
+    fit int32: a wider dtype is accepted only when concrete and in range."""
+    dt = jnp.dtype(x.dtype)
+    if not jnp.issubdtype(dt, jnp.integer):
+        raise TypeError(f"{who}: `{name}` must have an integer dtype (it is cast to int32), got {_dtype_name(dt)}")
+    info = jnp.iinfo(dt)
+    if info.min < INT32_MIN or info.max > INT32_MAX:  # the cast to int32 could wrap
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(f"{who}: a traced `{name}` must be int32 (or narrower), got {_dtype_name(dt)}, "
+                            "whose values cannot be range-checked at trace time")
+        values = np.asarray(x)
+        if values.size and (values.min() < INT32_MIN or values.max() > INT32_MAX):
+            raise ValueError(f"{who}: `{name}` must fit in int32, got values in [{values.min()}, {values.max()}]")
+
+
 def check_q_start_index(q_start_index: Any, problem, who: str = "attn_dist"):
     """Returns either a Python int (checked to fit int32) or the array as given
     (checked: integer dtype, shape [] or, when batched, [B]). The caller casts
     arrays to int32."""
-    if isinstance(q_start_index, (bool, np.bool_)):
-        raise TypeError(f"{who}: `q_start_index` must be an int or an int32 array, got a bool")
-    if isinstance(q_start_index, int):
-        value = int(q_start_index)
-        if not (INT32_MIN <= value <= INT32_MAX):
-            raise ValueError(
-                f"{who}: `q_start_index` must fit in int32, got {value}"
-            )
-        return value
+    if isinstance(q_start_index, (bool, np.bool_, int)):
+        return _check_python_int32("q_start_index", q_start_index, who)
     if not (hasattr(q_start_index, "shape") and hasattr(q_start_index, "dtype")):
         raise TypeError(
             f"{who}: `q_start_index` must be a Python int or an integer array of "
             f"shape [] or [B], got {type(q_start_index).__name__}: {q_start_index!r}"
         )
-    dt = jnp.dtype(q_start_index.dtype)
-    if not jnp.issubdtype(dt, jnp.integer):
-        raise TypeError(
-            f"{who}: `q_start_index` must have an integer dtype (it is cast to "
-            f"int32), got {_dtype_name(dt)}"
-        )
-    info = jnp.iinfo(dt)
-    if info.min < INT32_MIN or info.max > INT32_MAX:  # the cast to int32 could wrap
-        if isinstance(q_start_index, jax.core.Tracer):
-            raise TypeError(
-                f"{who}: a traced `q_start_index` must be int32 (or narrower), got "
-                f"{_dtype_name(dt)}, whose values cannot be range-checked at trace time"
-            )
-        values = np.asarray(q_start_index)
-        if values.size and (values.min() < INT32_MIN or values.max() > INT32_MAX):
-            raise ValueError(
-                f"{who}: `q_start_index` must fit in int32, got values in "
-                f"[{values.min()}, {values.max()}]"
-            )
+    _check_int32_values("q_start_index", q_start_index, who)
     shape = tuple(int(d) for d in q_start_index.shape)
     if shape == ():
         return q_start_index
@@ -591,11 +592,11 @@ def indexer_bwd_kernel_supports(problem: IndexerProblem, *, deterministic: bool 
     return True, "supported"
 
 
-def indexer_bwd_workspace_bytes(problem: IndexerProblem, *, deterministic: bool) -> int:
-    """The backward kernel's workspace in bytes (csrc/ffi.cc): the int64
-    fixed-point d index_k sums [B, N, DI] and one int64 word for the rows'
-    bound when ``deterministic``, else none."""
-    return 8 * (problem.B * problem.N * problem.DI + 1) if deterministic else 0
+def indexer_bwd_workspace_bytes(index_k_shape, *, deterministic: bool) -> int:
+    """The backward kernel's workspace in bytes (csrc/ffi.cc), for canonical
+    index_k [B, N, DI]: the int64 fixed-point d index_k sums and one int64 word
+    for the rows' bound when ``deterministic``, else none."""
+    return 8 * (int(np.prod(index_k_shape)) + 1) if deterministic else 0
 
 
 # ----------------------------------------------------------------------------
@@ -604,23 +605,11 @@ def indexer_bwd_workspace_bytes(problem: IndexerProblem, *, deterministic: bool)
 
 
 def _check_int_array(name: str, x: Any, who: str, what: str):
-    """An integer array (cast to int32 by the caller) whose values fit int32:
-    a wider dtype is accepted only when concrete and in range, as for
-    ``q_start_index``. Returns the array as given."""
+    """An integer array (cast to int32 by the caller) whose values fit int32,
+    as for ``q_start_index``. Returns the array as given."""
     if isinstance(x, (bool, np.bool_)) or not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{who}: `{name}` must be an int32 array {what}, got {type(x).__name__}: {x!r}")
-    dt = jnp.dtype(x.dtype)
-    if not jnp.issubdtype(dt, jnp.integer):
-        raise TypeError(f"{who}: `{name}` must have an integer dtype (int32; it is cast to int32), "
-                        f"got {_dtype_name(dt)}")
-    info = jnp.iinfo(dt)
-    if info.min < INT32_MIN or info.max > INT32_MAX:  # the cast to int32 could wrap
-        if isinstance(x, jax.core.Tracer):
-            raise TypeError(f"{who}: a traced `{name}` must be int32 (or narrower), got {_dtype_name(dt)}, "
-                            "whose values cannot be range-checked at trace time")
-        values = np.asarray(x)
-        if values.size and (values.min() < INT32_MIN or values.max() > INT32_MAX):
-            raise ValueError(f"{who}: `{name}` must fit in int32, got values in [{values.min()}, {values.max()}]")
+    _check_int32_values(name, x, who)
     return x
 
 
@@ -682,11 +671,8 @@ def check_packing(topk_length, cu_seqlens_q, cu_seqlens_k, q_start_index, proble
         raise ValueError(f"{who}: `cu_seqlens_q` and `cu_seqlens_k` must have the same shape [num_seqs + 1], got "
                          f"{_fmt(cu_seqlens_q.shape)} and {_fmt(cu_seqlens_k.shape)}")
     num_seqs = int(cu_seqlens_q.shape[0]) - 1
-    if isinstance(q_start_index, (bool, np.bool_)):
-        raise TypeError(f"{who}: `q_start_index` must be an int or an int32 array, got a bool")
-    if isinstance(q_start_index, int):
-        if not (INT32_MIN <= q_start_index <= INT32_MAX):
-            raise ValueError(f"{who}: `q_start_index` must fit in int32, got {q_start_index}")
+    if isinstance(q_start_index, (bool, np.bool_, int)):
+        q_start_index = _check_python_int32("q_start_index", q_start_index, who)
     else:
         _check_int_array("q_start_index", q_start_index, who, "of shape [] or [num_seqs] (or a Python int)")
         shape = tuple(int(d) for d in q_start_index.shape)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _contract
-from ._chunks import causal_parts
+from ._chunks import causal_parts, causal_visible
 
 #: The index every ruled-out slot gets (out of range, so invalid under SPEC §2).
 MASKED_INDEX = -1
@@ -85,10 +85,9 @@ def slot_validity(indices, *, N: int, causal: bool, k_stride: int, q_start_index
 
     The causal rule ``i - cu_k[b] <= floor((pos + 1 - ks) / ks)`` with
     ``pos = s - cu_q[b] + q_start[b]`` is evaluated exactly for every int32
-    value, as ``_chunks.valid_slots`` does: with ``q_start = ks*qq + qr``
-    (``0 <= qr < ks``) and ``d = s - cu_q[b]`` in ``[0, S)``, it reads
-    ``i' - t + 1 <= qq`` where ``t = floor((qr + d + 1) / ks)`` is formed in
-    uint32 and ``i'`` is the clamped index minus ``cu_k[b]``."""
+    value by ``_chunks.causal_visible`` (the unpacked rule's own), with
+    ``d = s - cu_q[b]`` in ``[0, S)`` as the row offset and ``i'``, the
+    clamped index minus ``cu_k[b]``, as the key position."""
     idx = jnp.asarray(indices)
     T = idx.shape[-1]
     valid = None
@@ -101,11 +100,11 @@ def slot_validity(indices, *, N: int, causal: bool, k_stride: int, q_start_index
 
     S = idx.shape[-3]
     num_seqs = int(cu_seqlens_q.shape[0]) - 1
+    if num_seqs == 0:
+        return jnp.zeros(idx.shape, bool)
     ok, owner = row_sequences(cu_seqlens_q, cu_seqlens_k, S=S, N=N)
     cu_q = jnp.asarray(cu_seqlens_q).astype(jnp.int32)
     cu_k = jnp.asarray(cu_seqlens_k).astype(jnp.int32)
-    if num_seqs == 0:
-        return jnp.zeros(idx.shape, bool)
     k_lo = jnp.where(ok, cu_k[owner], 0)[:, None, None]   # [S, 1, 1], in [0, N] where ok
     k_hi = jnp.where(ok, cu_k[owner + 1], 0)[:, None, None]
     in_seq = ok[:, None, None] & (idx >= k_lo) & (idx < k_hi)
@@ -113,10 +112,8 @@ def slot_validity(indices, *, N: int, causal: bool, k_stride: int, q_start_index
         qq, qr = causal_parts(_per_seq_q_start(q_start_index, num_seqs), k_stride)
         s = jnp.arange(S, dtype=jnp.int32)
         d = jnp.where(ok, s - cu_q[owner], 0)              # row's offset in its sequence, in [0, S)
-        t = ((qr[owner].astype(jnp.uint32) + d.astype(jnp.uint32) + jnp.uint32(1))
-             // jnp.uint32(k_stride)).astype(jnp.int32)
         i_rel = jnp.clip(idx, 0, max(N - 1, 0)) - k_lo     # in [-N, N)
-        in_seq = in_seq & (i_rel - (t - 1)[:, None, None] <= qq[owner][:, None, None])
+        in_seq = in_seq & causal_visible(i_rel, d, qq[owner], qr[owner], k_stride=k_stride)
     return in_seq if valid is None else in_seq & valid
 
 

@@ -147,10 +147,10 @@ def poisoned_bwd_call(index_q, index_k, weights, indices, target, q_start, lse, 
                       deterministic=False):
     """The backward kernels into NaN-filled d index_q, d weights and
     d index_k (the workspace is scratch and not returned)."""
-    B, N, DI = index_k.shape
     shapes = (jax.ShapeDtypeStruct(index_q.shape, jnp.bfloat16), jax.ShapeDtypeStruct(weights.shape, jnp.float32),
               jax.ShapeDtypeStruct(index_k.shape, jnp.float32))
-    workspace = jax.ShapeDtypeStruct((8 * (B * N * DI + 1) if deterministic else 0,), jnp.uint8)
+    workspace = jax.ShapeDtypeStruct(
+        (_contract.indexer_bwd_workspace_bytes(index_k.shape, deterministic=deterministic),), jnp.uint8)
     poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in shapes]
     call = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD_POISONED, (*shapes, workspace),
                             input_output_aliases={8: 0, 9: 1, 10: 2})
