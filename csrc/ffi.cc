@@ -68,12 +68,29 @@ bool OneOf(int64_t v, const int (&set)[N]) {
   return std::find(set, set + N, v) != set + N;
 }
 
+// SPEC §6's per-row ranges (common/slot_validity.cuh): int32 [B, S, 3], or
+// [B, S, 0] when the call has none (then the kernels apply SPEC §2's rule).
+// Their values need no check: the kernels clamp them.
+ffi::Error CheckRowRanges(const Checker& check, const ffi::Buffer<ffi::S32>& row_ranges, int64_t B, int64_t S,
+                          const int32_t** ranges) {
+  const auto rd = row_ranges.dimensions();
+  const bool given = rd.size() == 3 && rd[2] == kRowRangeFields;
+  if (!given) {
+    if (auto e = check.Shape("row_ranges", rd, {B, S, 0}, "[B, S, 0] (none) or [B, S, 3]"); e.failure()) return e;
+  } else if (auto e = check.Shape("row_ranges", rd, {B, S, kRowRangeFields}, "[B, S, 3]"); e.failure()) {
+    return e;
+  }
+  *ranges = given ? row_ranges.typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------
 // attn_dist
 // ---------------------------------------------------------------------------
 
 ffi::Error AttnDistFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
                        ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> q_start,
+                       ffi::Buffer<ffi::S32> row_ranges,
                        ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, bool causal, int32_t k_stride,
                        bool lse_base_e) {
   const Checker check{target};
@@ -94,6 +111,8 @@ ffi::Error AttnDistFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi:
   if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
   if (auto e = check.Shape("lse", lse.dimensions(), {B, S, H}, "[B, S, H]"); e.failure()) return e;
   if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
+  const int32_t* ranges = nullptr;
+  if (auto e = CheckRowRanges(check, row_ranges, B, S, &ranges); e.failure()) return e;
   if (auto e = check.Shape("out", out->dimensions(), {B, G, S, T}, "[B, G, S, T]"); e.failure()) return e;
   if (!(std::isfinite(sm_scale) && sm_scale > 0.f))
     return check.Invalid("sm_scale must be finite and > 0, got " + std::to_string(sm_scale));
@@ -123,6 +142,7 @@ ffi::Error AttnDistFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi:
   p.indices = indices.typed_data();
   p.lse = lse.typed_data();
   p.q_start = q_start.typed_data();
+  p.row_ranges = ranges;
   p.out = out->typed_data();
 
   const char* detail = "";
@@ -131,21 +151,24 @@ ffi::Error AttnDistFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi:
 
 ffi::Error AttnDistFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> q_start,
+                           ffi::Buffer<ffi::S32> row_ranges,
                            ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, bool causal, int32_t k_stride,
                            bool lse_base_e) {
-  return AttnDistFwd(kAttnDistTarget, stream, q, k, indices, lse, q_start, out, sm_scale, causal, k_stride,
+  return AttnDistFwd(kAttnDistTarget, stream, q, k, indices, lse, q_start, row_ranges, out, sm_scale, causal, k_stride,
                      lse_base_e);
 }
 
 ffi::Error AttnDistFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
                                ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> lse,
-                               ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::F32> out_init,
+                               ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> row_ranges,
+                               ffi::Buffer<ffi::F32> out_init,
                                ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, bool causal,
                                int32_t k_stride, bool lse_base_e) {
   if (out_init.untyped_data() != out->untyped_data())
-    return Checker{kAttnDistPoisonedTarget}.Invalid("out_init must be aliased to the output (input_output_aliases={5: 0})");
-  return AttnDistFwd(kAttnDistPoisonedTarget, stream, q, k, indices, lse, q_start, out, sm_scale, causal, k_stride,
-                     lse_base_e);
+    return Checker{kAttnDistPoisonedTarget}.Invalid(
+        "out_init must be aliased to the output (input_output_aliases={6: 0})");
+  return AttnDistFwd(kAttnDistPoisonedTarget, stream, q, k, indices, lse, q_start, row_ranges, out, sm_scale, causal,
+                     k_stride, lse_base_e);
 }
 
 // ---------------------------------------------------------------------------
@@ -162,8 +185,9 @@ struct IndexerDims {
 ffi::Error CheckIndexerOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& index_q,
                                 const ffi::Buffer<ffi::BF16>& index_k, const ffi::Buffer<ffi::F32>& weights,
                                 const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::F32>& target_dist,
-                                const ffi::Buffer<ffi::S32>& q_start, float scale, int32_t k_stride,
-                                int64_t max_heads, IndexerDims* dims) {
+                                const ffi::Buffer<ffi::S32>& q_start, const ffi::Buffer<ffi::S32>& row_ranges,
+                                float scale, int32_t k_stride, int64_t max_heads, IndexerDims* dims,
+                                const int32_t** ranges) {
   const auto qd = index_q.dimensions();
   if (qd.size() != 4) return check.Invalid("index_q must be rank 4 [B, S, HI, DI], got " + Shape(qd));
   const int64_t B = qd[0], S = qd[1], HI = qd[2], DI = qd[3];
@@ -184,6 +208,7 @@ ffi::Error CheckIndexerOperands(const Checker& check, const ffi::Buffer<ffi::BF1
   if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
   if (auto e = check.Shape("target", target_dist.dimensions(), {B, S, T}, "[B, S, T]"); e.failure()) return e;
   if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
+  if (auto e = CheckRowRanges(check, row_ranges, B, S, ranges); e.failure()) return e;
   if (!(std::isfinite(scale) && scale > 0.f))
     return check.Invalid("scale must be finite and > 0, got " + std::to_string(scale));
   if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
@@ -199,7 +224,8 @@ ffi::Error CheckIndexerOperands(const Checker& check, const ffi::Buffer<ffi::BF1
 void FillIndexerProblem(IndexerProblemParams& p, const IndexerDims& d, const ffi::Buffer<ffi::BF16>& index_q,
                         const ffi::Buffer<ffi::BF16>& index_k, const ffi::Buffer<ffi::F32>& weights,
                         const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::F32>& target_dist,
-                        const ffi::Buffer<ffi::S32>& q_start, float scale, bool causal, int32_t k_stride) {
+                        const ffi::Buffer<ffi::S32>& q_start, const int32_t* ranges, float scale, bool causal,
+                        int32_t k_stride) {
   p.batch = int(d.B);
   p.s_q = int(d.S);
   p.s_kv = int(d.N);
@@ -215,17 +241,20 @@ void FillIndexerProblem(IndexerProblemParams& p, const IndexerDims& d, const ffi
   p.indices = indices.typed_data();
   p.target = target_dist.typed_data();
   p.q_start = q_start.typed_data();
+  p.row_ranges = ranges;
 }
 
 ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q,
                       ffi::Buffer<ffi::BF16> index_k, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                       ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                      ffi::Buffer<ffi::S32> row_ranges,
                       ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
                       bool causal, int32_t k_stride) {
   const Checker check{target};
   IndexerDims d{};
-  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, scale, k_stride,
-                                    kIndexerMaxHeads, &d);
+  const int32_t* ranges = nullptr;
+  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges, scale,
+                                    k_stride, kIndexerMaxHeads, &d, &ranges);
       e.failure())
     return e;
   if (auto e = check.Shape("kl", kl->dimensions(), {d.B, d.S}, "[B, S]"); e.failure()) return e;
@@ -233,7 +262,8 @@ ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
   if (d.B * d.S == 0) return ffi::Error::Success();  // no rows, no launch
 
   IndexerFwdParams p{};
-  FillIndexerProblem(p, d, index_q, index_k, weights, indices, target_dist, q_start, scale, causal, k_stride);
+  FillIndexerProblem(p, d, index_q, index_k, weights, indices, target_dist, q_start, ranges, scale, causal,
+                     k_stride);
   p.kl = kl->typed_data();
   p.lse = lse->typed_data();
 
@@ -244,22 +274,26 @@ ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
 ffi::Error IndexerFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
                           ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                           ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                          ffi::Buffer<ffi::S32> row_ranges,
                           ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
                           bool causal, int32_t k_stride) {
-  return IndexerFwd(kIndexerFwdTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, kl, lse,
+  return IndexerFwd(kIndexerFwdTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, row_ranges,
+                    kl, lse,
                     scale, causal, k_stride);
 }
 
 ffi::Error IndexerFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
                               ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                               ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                              ffi::Buffer<ffi::S32> row_ranges,
                               ffi::Buffer<ffi::F32> kl_init, ffi::Buffer<ffi::F32> lse_init,
                               ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                               float scale, bool causal, int32_t k_stride) {
   if (kl_init.untyped_data() != kl->untyped_data() || lse_init.untyped_data() != lse->untyped_data())
     return Checker{kIndexerFwdPoisonedTarget}.Invalid(
-        "kl_init and lse_init must be aliased to the outputs (input_output_aliases={6: 0, 7: 1})");
-  return IndexerFwd(kIndexerFwdPoisonedTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, kl,
+        "kl_init and lse_init must be aliased to the outputs (input_output_aliases={7: 0, 8: 1})");
+  return IndexerFwd(kIndexerFwdPoisonedTarget, stream, index_q, index_k, weights, indices, target_dist, q_start,
+                    row_ranges, kl,
                     lse, scale, causal, k_stride);
 }
 
@@ -269,15 +303,17 @@ ffi::Error IndexerFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_
 
 ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q,
                       ffi::Buffer<ffi::BF16> index_k, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
-                      ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::F32> lse,
+                      ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                      ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::F32> lse,
                       ffi::Buffer<ffi::F32> g, ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
                       ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
                       ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale, bool causal, int32_t k_stride,
                       bool deterministic) {
   const Checker check{target};
   IndexerDims d{};
-  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, scale, k_stride,
-                                    kIndexerBwdMaxHeads, &d);
+  const int32_t* ranges = nullptr;
+  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges, scale,
+                                    k_stride, kIndexerBwdMaxHeads, &d, &ranges);
       e.failure())
     return e;
   const int64_t B = d.B, S = d.S, HI = d.HI, DI = d.DI, N = d.N;
@@ -316,7 +352,8 @@ ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
   if (B * S == 0) return ffi::Error::Success();  // no rows, no launch
 
   IndexerBwdParams p{};
-  FillIndexerProblem(p, d, index_q, index_k, weights, indices, target_dist, q_start, scale, causal, k_stride);
+  FillIndexerProblem(p, d, index_q, index_k, weights, indices, target_dist, q_start, ranges, scale, causal,
+                     k_stride);
   p.lse = lse.typed_data();
   p.g = g.typed_data();
   p.d_index_q = d_index_q->untyped_data();
@@ -333,29 +370,34 @@ ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
 
 ffi::Error IndexerBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
                           ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
-                          ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::F32> lse,
+                          ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                          ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::F32> lse,
                           ffi::Buffer<ffi::F32> g, ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
                           ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale, bool causal, int32_t k_stride,
                           bool deterministic) {
-  return IndexerBwd(kIndexerBwdTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, lse, g,
+  return IndexerBwd(kIndexerBwdTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, row_ranges,
+                    lse, g,
                     d_index_q, d_weights, d_index_k, workspace, scale, causal, k_stride, deterministic);
 }
 
 ffi::Error IndexerBwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
                               ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                               ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                              ffi::Buffer<ffi::S32> row_ranges,
                               ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::BF16> dq_init,
                               ffi::Buffer<ffi::F32> dw_init, ffi::Buffer<ffi::F32> dk_init,
-                              ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q, ffi::Result<ffi::Buffer<ffi::F32>> d_weights,
+                              ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
+                              ffi::Result<ffi::Buffer<ffi::F32>> d_weights,
                               ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
                               ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale, bool causal,
                               int32_t k_stride, bool deterministic) {
   if (dq_init.untyped_data() != d_index_q->untyped_data() || dw_init.untyped_data() != d_weights->untyped_data() ||
       dk_init.untyped_data() != d_index_k->untyped_data())
     return Checker{kIndexerBwdPoisonedTarget}.Invalid(
-        "dq_init, dw_init and dk_init must be aliased to the outputs (input_output_aliases={8: 0, 9: 1, 10: 2})");
-  return IndexerBwd(kIndexerBwdPoisonedTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, lse,
+        "dq_init, dw_init and dk_init must be aliased to the outputs (input_output_aliases={9: 0, 10: 1, 11: 2})");
+  return IndexerBwd(kIndexerBwdPoisonedTarget, stream, index_q, index_k, weights, indices, target_dist, q_start,
+                    row_ranges, lse,
                     g, d_index_q, d_weights, d_index_k, workspace, scale, causal, k_stride, deterministic);
 }
 
@@ -367,7 +409,8 @@ auto AttnDistOperands() {
       .Arg<ffi::Buffer<ffi::BF16>>()   // k
       .Arg<ffi::Buffer<ffi::S32>>()    // indices
       .Arg<ffi::Buffer<ffi::F32>>()    // lse
-      .Arg<ffi::Buffer<ffi::S32>>();   // q_start
+      .Arg<ffi::Buffer<ffi::S32>>()    // q_start
+      .Arg<ffi::Buffer<ffi::S32>>();   // row_ranges
 }
 
 template <class Binding>
@@ -387,7 +430,8 @@ auto IndexerOperands() {
       .Arg<ffi::Buffer<ffi::F32>>()    // weights
       .Arg<ffi::Buffer<ffi::S32>>()    // indices
       .Arg<ffi::Buffer<ffi::F32>>()    // target
-      .Arg<ffi::Buffer<ffi::S32>>();   // q_start
+      .Arg<ffi::Buffer<ffi::S32>>()    // q_start
+      .Arg<ffi::Buffer<ffi::S32>>();   // row_ranges
 }
 
 template <class Binding>

@@ -10,9 +10,14 @@ namespace attn_dist {
 // out[g] sums the probabilities of heads 64g .. 64g+63.
 constexpr int kHeadsPerGroup = 64;
 
+// SPEC §6's per-row ranges, int32 [B, S, kRowRangeFields] per row: key_begin,
+// key_end, topk_length (common/slot_validity.cuh applies them).
+constexpr int kRowRangeFields = 3;
+
 // attn_dist (docs/SPEC.md §2) in the canonical batched, row-major form:
 //   q [B, S, H, D] bf16, k [B, N, 1, D] bf16, indices [B, S, 1, T] int32,
-//   lse [B, S, H] f32, q_start [B] int32  ->  out [B, G, S, T] f32.
+//   lse [B, S, H] f32, q_start [B] int32, optional row_ranges [B, S, 3] int32
+//   ->  out [B, G, S, T] f32.
 struct AttnDistParams {
   int batch, s_q, s_kv, h_q, d_qk, topk;
   int num_groups;          // G = ceil(H / 64)
@@ -27,12 +32,14 @@ struct AttnDistParams {
   const int32_t* indices;
   const float* lse;
   const int32_t* q_start;  // device scalar per batch row; may come from a traced value
+  const int32_t* row_ranges;  // [B, S, 3] SPEC §6 per-row ranges (common/slot_validity.cuh), or nullptr
   float* out;
 };
 
 // indexer_kl's operands (docs/SPEC.md §5), canonical batched, row-major:
 //   index_q [B, S, HI, DI] bf16, index_k [B, N, DI] bf16, weights [B, S, HI] f32,
-//   indices [B, S, 1, T] int32, target [B, S, T] f32, q_start [B] int32.
+//   indices [B, S, 1, T] int32, target [B, S, T] f32, q_start [B] int32,
+//   optional row_ranges [B, S, 3] int32.
 // Shared by the forward and backward parameters (one FFI fill, one CTA set-up).
 struct IndexerProblemParams {
   int batch, s_q, s_kv, h_idx, d_idx, topk;
@@ -47,6 +54,7 @@ struct IndexerProblemParams {
   const int32_t* indices;
   const float* target;
   const int32_t* q_start;
+  const int32_t* row_ranges;  // [B, S, 3] SPEC §6 per-row ranges (common/slot_validity.cuh), or nullptr
 };
 
 // indexer_kl's forward: -> kl [B, S] f32, lse [B, S] f32 (log-sum-exp of the

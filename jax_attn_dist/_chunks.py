@@ -102,19 +102,40 @@ def causal_parts(q_start, k_stride: int):
     return qq, qr
 
 
-def valid_slots(idx, b_rows, s_rows, qq, qr, *, N: int, causal: bool, k_stride: int):
+def valid_slots(idx, b_rows, s_rows, qq, qr, ranges, *, N: int, causal: bool, k_stride: int):
     """``valid[r, kh, j]`` per SPEC §2, and the indices clamped into [0, N-1].
+
+    ``ranges``: the rows' SPEC §6 ranges ``[C, 3]`` (``_contract.ROW_RANGE_FIELDS``;
+    see :func:`in_row_ranges`), which replace the §2 rule, or ``None``.
 
     The causal rule ``i <= floor((q0 + s + 1 - ks) / ks)`` is evaluated exactly
     for every int32 ``q0`` (no overflow): with ``q0 = ks*qq + qr`` it reads
     ``i - t + 1 <= qq`` where ``t = floor((qr + s + 1) / ks)`` is computed in
     uint32 (``qr + s + 1 < 2**32``) and is small.
     """
-    in_range = (idx >= 0) & (idx < N)
     idx_c = jnp.clip(idx, 0, max(N - 1, 0))
+    if ranges is not None:
+        return in_row_ranges(idx, ranges, N=N), idx_c
+    in_range = (idx >= 0) & (idx < N)
     if not causal:
         return in_range, idx_c
     return in_range & causal_visible(idx_c, s_rows, qq[b_rows], qr[b_rows], k_stride=k_stride), idx_c
+
+
+def in_row_ranges(idx, ranges, *, N: int):
+    """Slot validity under SPEC §6's per-row ranges (the kernels' rule,
+    csrc/common/slot_validity.cuh): ``ranges`` ``[C, 3]`` int32 holds each
+    row's ``key_begin``, ``key_end`` and ``topk_length``; slot ``j`` of row
+    ``r`` selecting ``idx[r, kh, j]`` is valid iff ``j < clamp(topk_length,
+    0, T)`` and ``key_begin <= idx < key_end`` with ``key_begin`` clamped
+    into ``[0, N]`` and ``key_end`` into ``[key_begin, N]``."""
+    T = idx.shape[-1]
+    begin = jnp.clip(ranges[:, 0], 0, N)
+    end = jnp.clip(ranges[:, 1], begin, N)
+    length = jnp.clip(ranges[:, 2], 0, T)
+    j = jnp.arange(T, dtype=jnp.int32)
+    return ((idx >= begin[:, None, None]) & (idx < end[:, None, None])
+            & (j[None, None, :] < length[:, None, None]))
 
 
 def causal_visible(i, offset, qq, qr, *, k_stride: int):
@@ -144,9 +165,11 @@ class ChunkScores(NamedTuple):
     b_rows: jax.Array  # [C] int32 batch element of each row
 
 
-def chunk_scores(q, k, indices, q_start, start, C: int, problem: Problem, *, causal: bool, k_stride: int):
+def chunk_scores(q, k, indices, q_start, row_ranges, start, C: int, problem: Problem, *, causal: bool,
+                 k_stride: int):
     """The :class:`ChunkScores` of query rows ``start .. start+C-1``.
-    Canonical operands: q [B,S,H,D], k [B,N,HK,D], indices [B,S,HK,T]."""
+    Canonical operands: q [B,S,H,D], k [B,N,HK,D], indices [B,S,HK,T],
+    q_start [B], row_ranges [B,S,3] or [B,S,0] (none)."""
     B, S, H, D, N, HK, T = (problem.B, problem.S, problem.H, problem.D, problem.N, problem.HK, problem.T)
     Hg = H // HK
     R = B * S
@@ -159,7 +182,8 @@ def chunk_scores(q, k, indices, q_start, start, C: int, problem: Problem, *, cau
     s_rows = rows - b_rows * S
 
     qq, qr = causal_parts(q_start, k_stride)
-    valid, idx_c = valid_slots(i_rows, b_rows, s_rows, qq, qr, N=N, causal=causal, k_stride=k_stride)
+    ranges = rows_of(row_ranges, start, C) if row_ranges.shape[-1] else None
+    valid, idx_c = valid_slots(i_rows, b_rows, s_rows, qq, qr, ranges, N=N, causal=causal, k_stride=k_stride)
 
     kh = jnp.arange(HK, dtype=jnp.int32)
     # gathered keys: kg[r, kh, j, :] = k[b_r, idx_c[r, kh, j], kh, :]

@@ -374,19 +374,46 @@ def check_q_start_index(q_start_index: Any, problem, who: str = "attn_dist"):
     return q_start_index
 
 
-def check_canonical(q, k, indices, lse, q_start, who: str = "attn_dist") -> Problem:
+#: SPEC §6's per-row ranges, the primitives' ``row_ranges`` operand: int32
+#: ``[B, S, ROW_RANGE_FIELDS]`` holding, per query row, ``key_begin``,
+#: ``key_end`` and ``topk_length``: slot ``j`` selecting key ``i`` is valid iff
+#: ``j < topk_length`` and ``key_begin <= i < key_end`` (each clamped: the
+#: keys into ``[0, N]``, the length into ``[0, T]``). They replace SPEC §2's
+#: causal rule for the call. ``[B, S, 0]`` means none: SPEC §2's rule
+#: applies. ``packing.row_ranges`` computes them; csrc/params.h holds the
+#: same field count.
+ROW_RANGE_FIELDS = 3
+
+
+def no_row_ranges(B: int, S: int):
+    """The ``row_ranges`` operand of a call without SPEC §6 keywords."""
+    return jnp.zeros((B, S, 0), jnp.int32)
+
+
+def _check_rule_operands(q_start, row_ranges, B: int, S: int, who: str) -> None:
+    if jnp.dtype(q_start.dtype) != jnp.dtype(jnp.int32) or tuple(q_start.shape) != (B,):
+        raise ValueError(
+            f"{who} primitive: `q_start` must be int32 [B] = [{B}], got "
+            f"{_dtype_name(q_start.dtype)} {_fmt(q_start.shape)}"
+        )
+    if jnp.dtype(row_ranges.dtype) != jnp.dtype(jnp.int32) or tuple(row_ranges.shape) not in (
+            (B, S, 0), (B, S, ROW_RANGE_FIELDS)):
+        raise ValueError(
+            f"{who} primitive: `row_ranges` must be int32 [B, S, {ROW_RANGE_FIELDS}] = [{B}, {S}, "
+            f"{ROW_RANGE_FIELDS}] or [B, S, 0] (none), got {_dtype_name(row_ranges.dtype)} {_fmt(row_ranges.shape)}"
+        )
+
+
+def check_canonical(q, k, indices, lse, q_start, row_ranges, who: str = "attn_dist") -> Problem:
     """Validates the operands of the logical primitive: q [B,S,H,D],
-    k [B,N,HK,D], indices [B,S,HK,T] int32, lse [B,S,H] f32, q_start [B] int32."""
+    k [B,N,HK,D], indices [B,S,HK,T] int32, lse [B,S,H] f32, q_start [B]
+    int32, row_ranges [B,S,3|0] int32."""
     if q.ndim != 4:
         raise ValueError(
             f"{who} primitive: `q` must be canonical [B, S, H, D], got {_fmt(q.shape)}"
         )
     problem = check_problem(q, k, indices, lse, who)
-    if jnp.dtype(q_start.dtype) != jnp.dtype(jnp.int32) or tuple(q_start.shape) != (problem.B,):
-        raise ValueError(
-            f"{who} primitive: `q_start` must be int32 [B] = [{problem.B}], got "
-            f"{_dtype_name(q_start.dtype)} {_fmt(q_start.shape)}"
-        )
+    _check_rule_operands(q_start, row_ranges, problem.B, problem.S, who)
     return problem
 
 
@@ -518,19 +545,15 @@ def check_indexer_problem(index_q, index_k, weights, indices, target, who: str =
     return IndexerProblem(batched=batched, B=B, S=S, HI=HI, DI=DI, N=N, T=T, dtype=qdt, weights_dtype=wdt)
 
 
-def check_indexer_canonical(index_q, index_k, weights, indices, target, q_start,
+def check_indexer_canonical(index_q, index_k, weights, indices, target, q_start, row_ranges,
                             who: str = "indexer_kl") -> IndexerProblem:
     """Validates the operands of the indexer primitives: index_q [B,S,HI,DI],
     index_k [B,N,DI], weights [B,S,HI], indices [B,S,1,T] int32,
-    target [B,S,T] f32, q_start [B] int32."""
+    target [B,S,T] f32, q_start [B] int32, row_ranges [B,S,3|0] int32."""
     if index_q.ndim != 4:
         raise ValueError(f"{who} primitive: `index_q` must be canonical [B, S, HI, DI], got {_fmt(index_q.shape)}")
     problem = check_indexer_problem(index_q, index_k, weights, indices, target, who)
-    if jnp.dtype(q_start.dtype) != jnp.dtype(jnp.int32) or tuple(q_start.shape) != (problem.B,):
-        raise ValueError(
-            f"{who} primitive: `q_start` must be int32 [B] = [{problem.B}], got "
-            f"{_dtype_name(q_start.dtype)} {_fmt(q_start.shape)}"
-        )
+    _check_rule_operands(q_start, row_ranges, problem.B, problem.S, who)
     return problem
 
 

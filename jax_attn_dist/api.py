@@ -6,8 +6,8 @@ Each validates its arguments at trace time (``_contract``), adds B = 1 when
 the inputs are unbatched, binds its logical primitive through its custom VJP
 (``autodiff``), and squeezes back. Importing this module registers the vmap
 rules (``batching``) and, through the primitives, the sharding rules
-(``sharding``). SPEC §6 is applied before the primitives, by masking the
-indices (``packing``).
+(``sharding``). SPEC §6's keywords become per-row ranges (``packing``), an
+operand of the primitives.
 """
 
 from __future__ import annotations
@@ -25,6 +25,20 @@ def kernel_available() -> bool:
     """True when the compiled CUDA extension imported and its FFI handlers are
     registered with XLA (it does not check that a GPU is present)."""
     return _ext.kernel_available()
+
+
+def _rule_operands(problem, packed, *, causal: bool, k_stride: int):
+    """``(causal, q_start_index, row_ranges)`` for a canonical call: SPEC §6's
+    per-row ranges (canonical ``[B, S, 3]``) when the call has §6 keywords,
+    else ``[B, S, 0]`` and the caller's causal rule."""
+    ranges, causal, q_start_index = packing.call_rule(packed, S=problem.S, N=problem.N, T=problem.T, causal=causal,
+                                                      k_stride=k_stride,
+                                                      batch=problem.B if problem.batched else None)
+    if ranges is None:
+        ranges = _contract.no_row_ranges(problem.B, problem.S)
+    elif not problem.batched:
+        ranges = ranges[None]
+    return causal, q_start_index, ranges
 
 
 def _require_kernel(who: str, supported, why: str) -> None:
@@ -110,10 +124,9 @@ def attn_dist(
         _require_kernel("attn_dist", *_contract.kernel_supports(problem))
     if problem.is_empty:
         return jnp.zeros(problem.out_shape, jnp.float32)
-    indices, causal, q_start_index = packing.restrict_indices(indices, packed, N=problem.N, causal=params.causal,
-                                                              k_stride=params.k_stride)
+    causal, q_start_index, ranges = _rule_operands(problem, packed, causal=params.causal, k_stride=params.k_stride)
     args = canonicalize(problem, q, k, indices, lse, q_start_index)
-    out = attn_dist_canonical(*args, implementation=implementation, **dict(params.as_dict(), causal=causal))
+    out = attn_dist_canonical(*args, ranges, implementation=implementation, **dict(params.as_dict(), causal=causal))
     return out if problem.batched else out[0]
 
 
@@ -170,10 +183,9 @@ def indexer_kl(
         _require_kernel("indexer_kl", *_contract.indexer_kernel_supports(problem))
     if problem.is_empty:
         return jnp.zeros(problem.out_shape, jnp.float32)
-    indices, causal, q_start_index = packing.restrict_indices(indices, packed, N=problem.N, causal=params.causal,
-                                                              k_stride=params.k_stride)
+    causal, q_start_index, ranges = _rule_operands(problem, packed, causal=params.causal, k_stride=params.k_stride)
     args = canonicalize(problem, index_q, index_k, weights, indices, target, q_start_index)
-    kl = indexer_kl_canonical(*args, implementation=implementation, **dict(params.as_dict(), causal=causal))
+    kl = indexer_kl_canonical(*args, ranges, implementation=implementation, **dict(params.as_dict(), causal=causal))
     return kl if problem.batched else kl[0]
 
 
@@ -202,21 +214,28 @@ def indexer_loss(
                          f"query, got HK = {problem.HK}")
     lead = (problem.B,) if problem.batched else ()
     target_spec = jax.ShapeDtypeStruct(lead + (problem.S, problem.T), jnp.float32)
-    _contract.check_indexer_problem(index_q, index_k, weights, indices, target_spec, who)
-    _contract.check_params(sm_scale=sm_scale, causal=causal, k_stride=k_stride, lse_base=lse_base, who=who)
-    _contract.check_indexer_params(scale=scale, causal=causal, k_stride=k_stride, deterministic=deterministic,
-                                   who=who)
-    _contract.check_implementation(implementation, who)
+    index_problem = _contract.check_indexer_problem(index_q, index_k, weights, indices, target_spec, who)
+    attn_params = _contract.check_params(sm_scale=sm_scale, causal=causal, k_stride=k_stride, lse_base=lse_base,
+                                         who=who)
+    index_params = _contract.check_indexer_params(scale=scale, causal=causal, k_stride=k_stride,
+                                                  deterministic=deterministic, who=who)
+    implementation = _contract.check_implementation(implementation, who)
     packed = _contract.check_packing(topk_length, cu_seqlens_q, cu_seqlens_k, q_start_index, problem, who)
+    if implementation == "cuda":
+        _require_kernel(who, *_contract.kernel_supports(problem))
+        _require_kernel(who, *_contract.indexer_kernel_supports(index_problem))
+    if problem.is_empty or index_problem.is_empty:
+        return jnp.zeros(index_problem.out_shape, jnp.float32)
 
-    if not problem.is_empty:  # SPEC §6 once, for both steps
-        indices, causal, q_start_index = packing.restrict_indices(indices, packed, N=problem.N, causal=causal,
-                                                                  k_stride=k_stride)
-    elif packed.packed:
-        q_start_index = 0  # nothing is computed; keep the unpacked calls' q_start_index check happy
-    rule = dict(causal=causal, q_start_index=q_start_index, k_stride=k_stride, implementation=implementation)
-    dist = attn_dist(q, k, indices, lse, sm_scale=sm_scale, lse_base=lse_base, **rule)  # [B?, G, S, T]
-    mass = dist.sum(axis=-3)                                                           # [B?, S, T]
+    # SPEC §6 once, for both steps.
+    causal, q_start_index, ranges = _rule_operands(problem, packed, causal=causal, k_stride=k_stride)
+    q, k, indices, lse, q_start = canonicalize(problem, q, k, indices, lse, q_start_index)
+    dist = attn_dist_canonical(q, k, indices, lse, q_start, ranges, implementation=implementation,
+                               **dict(attn_params.as_dict(), causal=causal))               # [B, G, S, T]
+    mass = dist.sum(axis=1)                                                                # [B, S, T]
     total = mass.sum(axis=-1, keepdims=True)
     target = jax.lax.stop_gradient(jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), 0.0))
-    return indexer_kl(index_q, index_k, weights, indices, target, scale=scale, deterministic=deterministic, **rule)
+    index_q, index_k, weights, _ = canonicalize(index_problem, index_q, index_k, weights, 0)
+    kl = indexer_kl_canonical(index_q, index_k, weights, indices, target, q_start, ranges,
+                              implementation=implementation, **dict(index_params.as_dict(), causal=causal))
+    return kl if problem.batched else kl[0]

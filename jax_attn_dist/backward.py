@@ -54,12 +54,13 @@ def backward_chunk_rows(problem: Problem) -> int:
 
 
 def attn_dist_bwd_canonical(
-    q, k, indices, lse, q_start, g, *, sm_scale: float, causal: bool, k_stride: int,
+    q, k, indices, lse, q_start, row_ranges, g, *, sm_scale: float, causal: bool, k_stride: int,
     lse_base: str, chunk: Optional[int] = None, **unused_params,
 ):
     """Gradients ``(dq, dk, dlse)`` of ``sum(g * attn_dist(...))`` on canonical
     operands (q [B,S,H,D], k [B,N,HK,D], indices [B,S,HK,T] int32,
-    lse [B,S,H] f32, q_start [B] int32; g [B,G,S,T]). ``dq``/``dk`` have the
+    lse [B,S,H] f32, q_start [B] int32, row_ranges [B,S,3|0] int32;
+    g [B,G,S,T]). ``dq``/``dk`` have the
     dtype of q/k, ``dlse`` is float32. ``chunk`` overrides the rows per chunk.
 
     With ``G`` the cotangent of ``out[g(h), s, j]``, ``p`` SPEC §2's
@@ -69,7 +70,7 @@ def attn_dist_bwd_canonical(
         dk[i] += sum_h dz * q[s, h];  dlse[s, h] = -c * sum_j G * p
 
     Where ``p`` is 0 every term is exactly 0, whatever ``G`` or ``lse`` hold."""
-    problem = _contract.check_canonical(q, k, indices, lse, q_start)
+    problem = _contract.check_canonical(q, k, indices, lse, q_start, row_ranges)
     B, S, H, D, N, HK, T, G = (
         problem.B, problem.S, problem.H, problem.D, problem.N, problem.HK, problem.T, problem.G,
     )
@@ -90,7 +91,8 @@ def attn_dist_bwd_canonical(
         lse_rows = rows_of(lse, start, C).reshape(C, HK, Hg)
         g_rows = rows_of(g_flat, start, C)  # [C, G, T]
         # the forward's scores, recomputed by the reference's own code
-        scores = chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
+        scores = chunk_scores(q, k, indices, q_start, row_ranges, start, C, problem, causal=causal,
+                              k_stride=k_stride)
         valid, idx_c, kg, q_rows, rows = scores.valid, scores.idx_c, scores.kg, scores.q_rows, scores.rows
         p, keep = probabilities(scores.acc, valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
 
@@ -121,7 +123,7 @@ def attn_dist_bwd_canonical(
 
 
 def indexer_bwd_canonical(
-    index_q, index_k, weights, indices, target, q_start, lse, g, *, scale: float, causal: bool,
+    index_q, index_k, weights, indices, target, q_start, row_ranges, lse, g, *, scale: float, causal: bool,
     k_stride: int, deterministic: bool, chunk: Optional[int] = None, **unused_params,
 ):
     """Gradients ``(d_index_q, d_index_k, d_weights)`` of ``sum(g * kl)`` for
@@ -138,7 +140,7 @@ def indexer_bwd_canonical(
     ``deterministic``: ``d index_k`` is accumulated by a sort and a
     segmented scan in a fixed order (bitwise reproducible on a GPU too)
     instead of an XLA scatter-add (atomics on a GPU)."""
-    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start)
+    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start, row_ranges)
     B, S, HI, DI, N, T = problem.B, problem.S, problem.HI, problem.DI, problem.N, problem.T
     if problem.is_empty:
         return jnp.zeros_like(index_q), jnp.zeros_like(index_k), jnp.zeros_like(weights)
@@ -147,8 +149,9 @@ def indexer_bwd_canonical(
     g = g.astype(jnp.float32)
 
     def chunk_grads(start, first_new, dk):
-        logits, valid, z, w, scores = indexer_logits(index_q, index_k, weights, indices, q_start, start, C,
-                                                     problem, scale=scale, causal=causal, k_stride=k_stride)
+        logits, valid, z, w, scores = indexer_logits(index_q, index_k, weights, indices, q_start, row_ranges,
+                                                     start, C, problem, scale=scale, causal=causal,
+                                                     k_stride=k_stride)
         t = teacher(rows_of(target, start, C), valid)
         tau = jnp.sum(t, axis=-1)
         live = valid & (tau > 0)[:, None]

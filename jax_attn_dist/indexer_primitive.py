@@ -1,8 +1,8 @@
 """The indexer loss's logical primitives (SPEC §5) and their lowerings.
 
 * ``indexer_kl_p``: (index_q [B,S,HI,DI], index_k [B,N,DI], weights [B,S,HI],
-  indices [B,S,1,T] int32, target [B,S,T] f32, q_start [B] int32)
-  -> (kl [B,S] f32, lse [B,S] f32). ``lse`` is the per-row log-sum-exp of
+  indices [B,S,1,T] int32, target [B,S,T] f32, q_start [B] int32,
+  row_ranges [B,S,3|0] int32) -> (kl [B,S] f32, lse [B,S] f32). ``lse`` is the per-row log-sum-exp of
   the valid logits, the residual the backward uses.
 * ``indexer_kl_bwd_p``: the same operands plus ``lse`` and the cotangent
   ``g`` [B,S] -> (d index_q, d index_k, d weights) in the primal dtypes.
@@ -29,14 +29,14 @@ from .primitive import define_primitive, register_platform_lowerings
 from .reference import indexer_reference_canonical
 
 
-def _fwd_abstract(index_q, index_k, weights, indices, target, q_start, **params):
-    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start)
+def _fwd_abstract(index_q, index_k, weights, indices, target, q_start, row_ranges, **params):
+    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start, row_ranges)
     row = jax.core.ShapedArray(problem.canonical_out_shape, jnp.float32)
     return row, row
 
 
-def _bwd_abstract(index_q, index_k, weights, indices, target, q_start, lse, g, **params):
-    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start)
+def _bwd_abstract(index_q, index_k, weights, indices, target, q_start, row_ranges, lse, g, **params):
+    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start, row_ranges)
     for name, x in (("lse", lse), ("g", g)):
         if tuple(x.shape) != problem.canonical_out_shape or jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
             raise ValueError(
@@ -52,26 +52,28 @@ indexer_kl_bwd_p = define_primitive("indexer_kl_bwd", _bwd_abstract, multiple_re
 indexer_kl_bwd_local_p = define_primitive("indexer_kl_bwd_local", _bwd_abstract, multiple_results=True)
 
 
-def _ffi_forward(index_q, index_k, weights, indices, target, q_start, *, scale, causal, k_stride,
+def _ffi_forward(index_q, index_k, weights, indices, target, q_start, row_ranges, *, scale, causal, k_stride,
                  deterministic, implementation):
     """The SM90 forward kernel through XLA's FFI. Operand order, attribute
     names and types are the C++ handler's contract (csrc/ffi.cc):
     Buffer<BF16> index_q [B,S,HI,DI], Buffer<BF16> index_k [B,N,DI],
     Buffer<F32> weights [B,S,HI], Buffer<S32> indices [B,S,1,T],
-    Buffer<F32> target [B,S,T], Buffer<S32> q_start [B]; attrs scale f32,
+    Buffer<F32> target [B,S,T], Buffer<S32> q_start [B], Buffer<S32>
+    row_ranges [B,S,3] or [B,S,0]; attrs scale f32,
     causal bool, k_stride int32; results Buffer<F32> kl [B,S],
     Buffer<F32> lse [B,S]."""
     row = jax.ShapeDtypeStruct(index_q.shape[:2], jnp.float32)
     return jax.ffi.ffi_call(FFI_INDEXER_FWD, (row, row))(
-        index_q, index_k, weights.astype(jnp.float32), indices, target, q_start,
+        index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, row_ranges,
         scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),
     )
 
 
-def _ffi_backward(index_q, index_k, weights, indices, target, q_start, lse, g, *, scale, causal, k_stride,
-                  deterministic, implementation):
+def _ffi_backward(index_q, index_k, weights, indices, target, q_start, row_ranges, lse, g, *, scale, causal,
+                  k_stride, deterministic, implementation):
     """The SM90 backward kernels through XLA's FFI (csrc/ffi.cc): the
-    forward's operands plus Buffer<F32> lse [B,S] and Buffer<F32> g [B,S];
+    forward's operands (row_ranges included) plus Buffer<F32> lse [B,S] and
+    Buffer<F32> g [B,S];
     attrs as the forward's plus deterministic bool; results Buffer<BF16>
     d index_q [B,S,HI,DI], Buffer<F32> d weights [B,S,HI], Buffer<F32>
     d index_k [B,N,DI] (cast here) and Buffer<U8> workspace (the
@@ -84,7 +86,8 @@ def _ffi_backward(index_q, index_k, weights, indices, target, q_start, lse, g, *
         jax.ShapeDtypeStruct(weights.shape, jnp.float32),
         jax.ShapeDtypeStruct(index_k.shape, jnp.float32),
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),
-    ))(index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, lse, g.astype(jnp.float32),
+    ))(index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, row_ranges, lse,
+       g.astype(jnp.float32),
        scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),
        deterministic=bool(deterministic))
     return dq, dk.astype(index_k.dtype), dw.astype(weights.dtype)
@@ -106,7 +109,7 @@ register_platform_lowerings(
 )
 register_platform_lowerings(
     indexer_kl_bwd_local_p, who="indexer_kl backward",
-    check=lambda *avals: _contract.check_indexer_canonical(*avals[:6]),
+    check=lambda *avals: _contract.check_indexer_canonical(*avals[:7]),
     supports=_contract.indexer_bwd_kernel_supports, supports_params=("deterministic",),
     jnp_impl=_backward_jnp, kernel_impl=_ffi_backward, multiple_results=True,
 )

@@ -1,37 +1,38 @@
-"""Packed sequences and per-row top-k lengths (SPEC §6), by index masking.
+"""Packed sequences and per-row top-k lengths (SPEC §6), as per-row ranges.
 
-SPEC §6 only restricts which slots are valid. This module evaluates that
-restriction in plain jnp, elementwise over ``[B?, S, HK, T]``, and replaces
-the index of every slot it rules out by -1, which SPEC §2 always treats as
-invalid. The public functions then call the unpacked path (SPEC §2/§5) on the
-masked indices:
+SPEC §6 only restricts which slots are valid, and for every query row the
+restriction has one form: the row's valid keys are one contiguous range
+``[key_begin, key_end)`` (its sequence's keys, cut by the causal rule
+relative to the sequence) and its live slots are ``[0, topk_length)``. This
+module turns the §6 keywords into those ranges, an int32 ``[B?, S, 3]``
+array (``_contract.ROW_RANGE_FIELDS``), in XLA on the device: no host sync,
+traced boundaries welcome. The primitives take the ranges as an operand
+(``row_ranges``) in place of SPEC §2's causal rule, and every path applies
+them the same way: the CUDA kernels per row (csrc/common/slot_validity.cuh:
+slots past ``topk_length`` are skipped as whole blocks and the key test is
+one compare), the jnp paths through ``_chunks.in_row_ranges``.
 
-* with ``cu_seqlens_q``/``cu_seqlens_k``: the whole §6.2 rule (sequence
-  ranges, per-sequence causality, §6.3's malformed boundaries, and
-  ``topk_length``) is applied here, and the unpacked path runs with
-  ``causal=False, q_start_index=0``;
-* with ``topk_length`` alone: only slots ``j >= clamp(topk_length, 0, T)``
-  are masked; the caller's ``causal`` and ``q_start_index`` are kept.
+Finding each row's sequence under §6.3's malformed-boundary rule (a row
+belongs to ``b`` only if ``b`` is its only claimer and is well-formed) needs
+every boundary, so it is done here once for all rows rather than per row in
+a kernel: two difference arrays (claim count and claimer id) and a cumsum
+over S, O(S + num_seqs) work. Rows only ever see their own ranges, so
+S-sharding, vmap (each example its own boundaries), gradients and export go
+through the primitives unchanged.
 
-Because the masking is ordinary jnp, jit with traced boundaries, vmap (each
-example its own boundaries), S-sharding, gradients and export all go through
-the existing primitives unchanged, and on a GPU the CUDA kernels serve packed
-inputs as they are. :func:`slot_validity` is the one place where the rule is
-written; ``jax_attn_dist.oracle`` evaluates it independently for the tests.
+:func:`row_ranges` is the one place where §6 is written;
+``jax_attn_dist.oracle`` evaluates it independently for the tests.
 """
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from . import _contract
-from ._chunks import causal_parts, causal_visible
-
-#: The index every ruled-out slot gets (out of range, so invalid under SPEC §2).
-MASKED_INDEX = -1
+from ._chunks import causal_parts
 
 
 def _per_seq_q_start(q_start_index, num_seqs: int):
@@ -51,87 +52,107 @@ def row_sequences(cu_seqlens_q, cu_seqlens_k, *, S: int, N: int):
 
     Returns ``(ok [S] bool, owner [S] int32)``: ``ok[s]`` says whether row
     ``s`` belongs to a sequence, ``owner[s]`` is that sequence (0 where not
-    ``ok``). The lookup compares every row with every boundary (a fused
-    compare-and-reduce, O(S * num_seqs) work, elementwise in S)."""
+    ``ok``). Each claim ``[lo, hi)`` (clipped to the rows) adds 1 to a count
+    and ``b`` to an id sum at ``lo`` and takes them off at ``hi``; a cumsum
+    gives every row its number of claimers and, where that is 1, the
+    claimer (int32 wrap-around cancels exactly)."""
     cu_q = jnp.asarray(cu_seqlens_q).astype(jnp.int32)
     cu_k = jnp.asarray(cu_seqlens_k).astype(jnp.int32)
+    num_seqs = int(cu_q.shape[0]) - 1
+    if num_seqs == 0:
+        return jnp.zeros((S,), bool), jnp.zeros((S,), jnp.int32)
     lo, hi = cu_q[:-1], cu_q[1:]
     klo, khi = cu_k[:-1], cu_k[1:]
     well = (lo >= 0) & (lo <= hi) & (hi <= S) & (klo >= 0) & (klo <= khi) & (khi <= N)  # [num_seqs]
-    s = jnp.arange(S, dtype=jnp.int32)[:, None]
-    claims = (lo[None, :] <= s) & (s < hi[None, :])                                   # [S, num_seqs]
-    if lo.shape[0] == 0:
-        return jnp.zeros((S,), bool), jnp.zeros((S,), jnp.int32)
-    count = jnp.sum(claims, axis=1, dtype=jnp.int32)
-    owner = jnp.argmax(claims, axis=1).astype(jnp.int32)  # the claimer, when there is exactly one
+    a, e = jnp.clip(lo, 0, S), jnp.clip(hi, 0, S)
+    claims = a < e
+    at = jnp.concatenate([jnp.where(claims, a, S), jnp.where(claims, e, S)])  # index S: past the rows
+    b = jnp.arange(num_seqs, dtype=jnp.int32)
+    count_delta = jnp.concatenate([jnp.ones_like(b), -jnp.ones_like(b)])
+    id_delta = jnp.concatenate([b, -b])
+    count = jnp.cumsum(jnp.zeros((S + 1,), jnp.int32).at[at].add(count_delta)[:S], dtype=jnp.int32)
+    ids = jnp.cumsum(jnp.zeros((S + 1,), jnp.int32).at[at].add(id_delta)[:S], dtype=jnp.int32)
+    owner = jnp.clip(ids, 0, num_seqs - 1)  # the claimer where count == 1
     ok = (count == 1) & well[owner]
     return ok, jnp.where(ok, owner, 0)
 
 
-def slot_validity(indices, *, N: int, causal: bool, k_stride: int, q_start_index: Any = 0, topk_length=None,
-                  cu_seqlens_q=None, cu_seqlens_k=None):
-    """SPEC §6's restriction of the slots of ``indices`` ``[B?, S, HK, T]``
-    (bool, same shape).
-
-    With ``cu_seqlens_q``/``cu_seqlens_k`` (unbatched ``indices``) this is the
-    complete validity of §6.2: the index lies in the key range of the row's
-    sequence and, when ``causal``, satisfies the causal rule relative to the
-    sequence (``q_start_index``: int or int32 ``[]``/``[num_seqs]``, the
-    position of each sequence's first query row); rows outside every
-    sequence (padding, §6.3's malformed boundaries) have no valid slot.
-    Without them it is only the ``topk_length`` condition (the caller's §2
-    rule still applies on top). ``topk_length`` ``[B?, S]``: slot ``j`` is
-    valid only if ``j < clamp(topk_length, 0, T)``.
-
-    The causal rule ``i - cu_k[b] <= floor((pos + 1 - ks) / ks)`` with
-    ``pos = s - cu_q[b] + q_start[b]`` is evaluated exactly for every int32
-    value by ``_chunks.causal_visible`` (the unpacked rule's own), with
-    ``d = s - cu_q[b]`` in ``[0, S)`` as the row offset and ``i'``, the
-    clamped index minus ``cu_k[b]``, as the key position."""
-    idx = jnp.asarray(indices)
-    T = idx.shape[-1]
-    valid = None
-    if topk_length is not None:
-        length = jnp.clip(jnp.asarray(topk_length).astype(jnp.int32), 0, T)
-        j = jnp.arange(T, dtype=jnp.int32)
-        valid = j < length[..., None, None]
-    if cu_seqlens_q is None:
-        return valid if valid is not None else jnp.ones(idx.shape, bool)
-
-    S = idx.shape[-3]
-    num_seqs = int(cu_seqlens_q.shape[0]) - 1
-    if num_seqs == 0:
-        return jnp.zeros(idx.shape, bool)
-    ok, owner = row_sequences(cu_seqlens_q, cu_seqlens_k, S=S, N=N)
-    cu_q = jnp.asarray(cu_seqlens_q).astype(jnp.int32)
-    cu_k = jnp.asarray(cu_seqlens_k).astype(jnp.int32)
-    k_lo = jnp.where(ok, cu_k[owner], 0)[:, None, None]   # [S, 1, 1], in [0, N] where ok
-    k_hi = jnp.where(ok, cu_k[owner + 1], 0)[:, None, None]
-    in_seq = ok[:, None, None] & (idx >= k_lo) & (idx < k_hi)
-    if causal:
-        qq, qr = causal_parts(_per_seq_q_start(q_start_index, num_seqs), k_stride)
-        s = jnp.arange(S, dtype=jnp.int32)
-        d = jnp.where(ok, s - cu_q[owner], 0)              # row's offset in its sequence, in [0, S)
-        i_rel = jnp.clip(idx, 0, max(N - 1, 0)) - k_lo     # in [-N, N)
-        in_seq = in_seq & causal_visible(i_rel, d, qq[owner], qr[owner], k_stride=k_stride)
-    return in_seq if valid is None else in_seq & valid
+def visible_keys(offset, qq, qr, span, *, k_stride: int):
+    """``clamp(floor((q0 + offset + 1) / ks), 0, span)``: how many of a
+    sequence's first keys SPEC §2.2's causal rule lets a query at position
+    ``q0 + offset`` see (``i' <= floor((pos + 1 - ks) / ks)``), capped at
+    the ``span`` keys there are. ``q0 = ks*qq + qr`` from
+    ``_chunks.causal_parts``; ``offset`` in ``[0, 2^31)``; ``span`` in ``[0,
+    2^31)``. Exact for every int32 ``q0``, without overflow: with ``t =
+    floor((qr + offset + 1) / ks)`` (uint32) the count is ``qq + t``, and
+    ``clamp(qq + t, 0, span) = min(max(qq, -t), span - t) + t``."""
+    t = ((qr.astype(jnp.uint32) + offset.astype(jnp.uint32) + jnp.uint32(1)) // jnp.uint32(k_stride)).astype(jnp.int32)
+    return jnp.minimum(jnp.maximum(qq, -t), span - t) + t
 
 
-def restrict_indices(indices, packing: "_contract.Packing", *, N: int, causal: bool,
-                     k_stride: int) -> Tuple[Any, bool, Any]:
-    """The unpacked call equivalent to SPEC §6: ``(indices, causal,
-    q_start_index)`` to pass to the SPEC §2/§5 path, with every slot §6 rules
-    out set to :data:`MASKED_INDEX`. Without §6 keywords, the arguments as
-    they are."""
+def row_ranges(packing: "_contract.Packing", *, S: int, N: int, T: int, causal: bool, k_stride: int,
+               batch: Optional[int] = None):
+    """SPEC §6's per-row ranges, int32 ``[B?, S, 3]`` (``batch``: B, or None
+    for unbatched inputs): each row's ``key_begin``, ``key_end`` and
+    ``topk_length`` (see ``_contract.ROW_RANGE_FIELDS``). They hold the whole
+    validity rule of the call, SPEC §2's causal rule included, so the
+    primitives run with ``causal=False`` beside them. ``None`` when the call
+    has no §6 keyword.
+
+    * With ``cu_seqlens_q``/``cu_seqlens_k`` (unbatched): a row of sequence
+      ``b`` gets ``[cu_k[b], cu_k[b] + v)`` with ``v`` the keys of its
+      sequence visible to it (all ``cu_k[b+1] - cu_k[b]`` when not causal;
+      ``pos = s - cu_q[b] + q_start[b]``); a row of no sequence gets the
+      empty range.
+    * With ``topk_length`` alone: ``[0, N)``, or when causal ``[0, v)`` with
+      ``v`` the visible keys of ``pos = q_start + s``.
+    * ``topk_length``: as given (clamped into ``[0, T]``), else ``T``.
+    """
     if not packing.active:
-        return indices, causal, packing.q_start_index
-    valid = slot_validity(indices, N=N, causal=causal, k_stride=k_stride, q_start_index=packing.q_start_index,
-                          topk_length=packing.topk_length, cu_seqlens_q=packing.cu_seqlens_q,
-                          cu_seqlens_k=packing.cu_seqlens_k)
-    masked = jnp.where(valid, indices, jnp.int32(MASKED_INDEX))
+        return None
+    lead = () if batch is None else (batch,)
+    s = jnp.arange(S, dtype=jnp.int32)
     if packing.packed:
-        return masked, False, 0
-    return masked, causal, packing.q_start_index
+        num_seqs = packing.num_seqs
+        ok, owner = row_sequences(packing.cu_seqlens_q, packing.cu_seqlens_k, S=S, N=N)
+        if num_seqs == 0:
+            begin = span = jnp.zeros((S,), jnp.int32)
+        else:
+            cu_q = jnp.asarray(packing.cu_seqlens_q).astype(jnp.int32)
+            cu_k = jnp.asarray(packing.cu_seqlens_k).astype(jnp.int32)
+            begin = jnp.where(ok, cu_k[owner], 0)                     # in [0, N]
+            span = jnp.where(ok, cu_k[owner + 1], 0) - begin          # in [0, N] where ok, else 0
+            if causal:
+                qq, qr = causal_parts(_per_seq_q_start(packing.q_start_index, num_seqs), k_stride)
+                d = jnp.where(ok, s - cu_q[owner], 0)                   # row offset in its sequence, [0, S)
+                span = visible_keys(d, qq[owner], qr[owner], span, k_stride=k_stride)
+    else:
+        begin = jnp.zeros(lead + (S,), jnp.int32)
+        span = jnp.full(lead + (S,), N, jnp.int32)
+        if causal:
+            q0 = packing.q_start_index
+            q0 = jnp.full(lead, q0, jnp.int32) if isinstance(q0, int) else jnp.asarray(q0).astype(jnp.int32)
+            qq, qr = causal_parts(jnp.broadcast_to(q0, lead)[..., None], k_stride)     # [B?, 1]
+            span = visible_keys(jnp.broadcast_to(s, lead + (S,)), qq, qr, span, k_stride=k_stride)
+    end = begin + span
+    if packing.topk_length is not None:
+        length = jnp.clip(jnp.asarray(packing.topk_length).astype(jnp.int32), 0, T)
+    else:
+        length = jnp.full(lead + (S,), T, jnp.int32)
+    begin, end = (jnp.broadcast_to(x, lead + (S,)) for x in (begin, end))
+    return jnp.stack([begin, end, length], axis=-1)
+
+
+def call_rule(packing: "_contract.Packing", *, S: int, N: int, T: int, causal: bool, k_stride: int,
+              batch: Optional[int] = None) -> Tuple[Any, bool, Any]:
+    """``(row_ranges, causal, q_start_index)`` for the primitives: without
+    §6 keywords ``(None, causal, q_start_index)`` as given; with them the
+    ranges of :func:`row_ranges`, which hold the whole rule, and
+    ``causal=False, q_start_index=0``."""
+    ranges = row_ranges(packing, S=S, N=N, T=T, causal=causal, k_stride=k_stride, batch=batch)
+    if ranges is None:
+        return None, causal, packing.q_start_index
+    return ranges, False, 0
 
 
 def cu_seqlens_from_segment_ids(segment_ids, num_seqs: int):

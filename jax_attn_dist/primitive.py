@@ -5,7 +5,9 @@ Two layers per op:
 
 * The outer, logical primitive always sees canonical, batched operands (for
   attn_dist: q [B,S,H,D], k [B,N,HK,D], indices [B,S,HK,T] int32,
-  lse [B,S,H] float32, q_start [B] int32) and static, checked parameters.
+  lse [B,S,H] float32, q_start [B] int32, row_ranges [B,S,3] int32 or
+  [B,S,0], see ``_contract.ROW_RANGE_FIELDS``) and static, checked
+  parameters.
   Transformation rules (vmap in ``batching.py``, sharding in
   ``sharding.py``; the custom VJPs in ``autodiff.py`` wrap the binds)
   belong to it.
@@ -129,8 +131,9 @@ def register_platform_lowerings(local_p: Primitive, *, who: str, check: Callable
 # ----------------------------------------------------------------------------
 
 
-def _abstract_eval(q, k, indices, lse, q_start, *, sm_scale, causal, k_stride, lse_base, implementation):
-    problem = _contract.check_canonical(q, k, indices, lse, q_start)
+def _abstract_eval(q, k, indices, lse, q_start, row_ranges, *, sm_scale, causal, k_stride, lse_base,
+                   implementation):
+    problem = _contract.check_canonical(q, k, indices, lse, q_start, row_ranges)
     return jax.core.ShapedArray(problem.canonical_out_shape, jnp.float32)
 
 
@@ -142,18 +145,20 @@ attn_dist_p = define_primitive("attn_dist", _abstract_eval, multiple_results=Fal
 attn_dist_local_p = define_primitive("attn_dist_local", _abstract_eval, multiple_results=False)
 
 
-def _ffi_forward(q, k, indices, lse, q_start, *, sm_scale, causal, k_stride, lse_base, implementation):
+def _ffi_forward(q, k, indices, lse, q_start, row_ranges, *, sm_scale, causal, k_stride, lse_base,
+                 implementation):
     """The CUDA kernel through XLA's FFI. Operand order, attribute names and
     attribute types are the C++ handler's contract (csrc/ffi.cc):
     Buffer<BF16> q [B,S,H,D], Buffer<BF16> k [B,N,1,D], Buffer<S32> indices
-    [B,S,1,T], Buffer<F32> lse [B,S,H], Buffer<S32> q_start [B]; attrs
+    [B,S,1,T], Buffer<F32> lse [B,S,H], Buffer<S32> q_start [B],
+    Buffer<S32> row_ranges [B,S,3] or [B,S,0]; attrs
     sm_scale f32, causal bool, k_stride int32, lse_base_e bool; result
     Buffer<F32> [B,G,S,T]."""
     B, S, H, _ = q.shape
     T = indices.shape[-1]
     out_type = jax.ShapeDtypeStruct((B, _contract.num_groups(H), S, T), jnp.float32)
     return jax.ffi.ffi_call(FFI_TARGET, out_type)(
-        q, k, indices, lse, q_start,
+        q, k, indices, lse, q_start, row_ranges,
         sm_scale=np.float32(sm_scale),
         causal=bool(causal),
         k_stride=np.int32(k_stride),

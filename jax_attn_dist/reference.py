@@ -33,18 +33,19 @@ from ._chunks import (
 
 
 def reference_canonical(
-    q, k, indices, lse, q_start, *, sm_scale: float, causal: bool, k_stride: int,
+    q, k, indices, lse, q_start, row_ranges, *, sm_scale: float, causal: bool, k_stride: int,
     lse_base: str, chunk: Optional[int] = None, **unused_params,
 ):
     """SPEC §2 on canonical operands: q [B,S,H,D], k [B,N,HK,D],
-    indices [B,S,HK,T] int32, lse [B,S,H] float32, q_start [B] int32.
-    Returns float32 [B, G, S, T]. Parameters must already be checked.
+    indices [B,S,HK,T] int32, lse [B,S,H] float32, q_start [B] int32,
+    row_ranges [B,S,3] int32 or [B,S,0] (SPEC §6's ranges, or none; see
+    ``_contract.ROW_RANGE_FIELDS``). Returns float32 [B, G, S, T]. Parameters must already be checked.
 
     ``chunk`` overrides the rows per chunk (tests use it to exercise the
     chunk loop on small problems). Extra keyword parameters (e.g. the
     primitive's ``implementation``) are ignored.
     """
-    problem = _contract.check_canonical(q, k, indices, lse, q_start)
+    problem = _contract.check_canonical(q, k, indices, lse, q_start, row_ranges)
     B, S, H, HK, T, G = problem.B, problem.S, problem.H, problem.HK, problem.T, problem.G
     if problem.is_empty:
         return jnp.zeros(problem.canonical_out_shape, jnp.float32)
@@ -53,7 +54,8 @@ def reference_canonical(
     Hg = H // HK
 
     def body(start):
-        scores = chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
+        scores = chunk_scores(q, k, indices, q_start, row_ranges, start, C, problem, causal=causal,
+                              k_stride=k_stride)
         lse_rows = rows_of(lse, start, C).reshape(C, HK, Hg)
         p, _ = probabilities(scores.acc, scores.valid, lse_rows, sm_scale=sm_scale, lse_base=lse_base)
         return group_sum(p.reshape(C, H, T), H)
@@ -74,14 +76,16 @@ def exact_lse_canonical(
     training example (as a stand-in for the sparse MLA forward)."""
     B, S, H = (int(d) for d in q.shape[:3])
     lse_dummy = jax.ShapeDtypeStruct((B, S, H), jnp.float32)
-    problem = _contract.check_canonical(q, k, indices, lse_dummy, q_start)
+    row_ranges = _contract.no_row_ranges(B, S)
+    problem = _contract.check_canonical(q, k, indices, lse_dummy, q_start, row_ranges)
     if problem.is_empty:
         return jnp.full((B, S, H), empty_value, jnp.float32)
     R = B * S
     C = chunk_rows(problem)
 
     def body(start):
-        scores = chunk_scores(q, k, indices, q_start, start, C, problem, causal=causal, k_stride=k_stride)
+        scores = chunk_scores(q, k, indices, q_start, row_ranges, start, C, problem, causal=causal,
+                              k_stride=k_stride)
         acc, valid = scores.acc, scores.valid
         z = acc * jnp.float32(sm_scale)
         z = jnp.where(valid[:, :, None, :], z, -jnp.inf)
@@ -119,7 +123,7 @@ def attn_dist_reference(
     params = _contract.check_params(sm_scale=sm_scale, causal=causal, k_stride=k_stride, lse_base=lse_base)
     q_start_index = _contract.check_q_start_index(q_start_index, problem)
     args = canonicalize(problem, q, k, indices, lse, q_start_index)
-    out = reference_canonical(*args, **params.as_dict())
+    out = reference_canonical(*args, _contract.no_row_ranges(problem.B, problem.S), **params.as_dict())
     return out if problem.batched else out[0]
 
 
@@ -139,14 +143,14 @@ def indexer_chunk_rows(problem: _contract.IndexerProblem, backward: bool = False
     return chunk_rows(problem.scores, per_row_bytes=per_row)
 
 
-def indexer_logits(index_q, index_k, weights, indices, q_start, start, C: int, problem, *, scale: float,
-                   causal: bool, k_stride: int):
+def indexer_logits(index_q, index_k, weights, indices, q_start, row_ranges, start, C: int, problem, *,
+                   scale: float, causal: bool, k_stride: int):
     """SPEC §5's logits of rows ``start .. start+C-1``: ``(logits [C, T] f32,
     valid [C, T] bool, z [C, HI, T] f32, w [C, HI] f32, scores)`` where
     ``scores`` is the :class:`_chunks.ChunkScores` (gathered keys, rows).
     Canonical operands (index_k [B, N, DI])."""
-    scores = chunk_scores(index_q, index_k[:, :, None, :], indices, q_start, start, C, problem.scores,
-                          causal=causal, k_stride=k_stride)
+    scores = chunk_scores(index_q, index_k[:, :, None, :], indices, q_start, row_ranges, start, C,
+                          problem.scores, causal=causal, k_stride=k_stride)
     z = scores.acc[:, 0]  # [C, HI, T]
     w = rows_of(weights, start, C).astype(jnp.float32)  # [C, HI]
     logits = jnp.float32(scale) * jnp.einsum("rh,rht->rt", w, jnp.maximum(z, 0.0), precision=HIGHEST)
@@ -179,15 +183,15 @@ def kl_rows(logits, valid, t):
 
 
 def indexer_reference_canonical(
-    index_q, index_k, weights, indices, target, q_start, *, scale: float, causal: bool, k_stride: int,
-    chunk: Optional[int] = None, **unused_params,
+    index_q, index_k, weights, indices, target, q_start, row_ranges, *, scale: float, causal: bool,
+    k_stride: int, chunk: Optional[int] = None, **unused_params,
 ):
     """SPEC §5 on canonical operands: index_q [B,S,HI,DI], index_k [B,N,DI],
     weights [B,S,HI], indices [B,S,1,T] int32, target [B,S,T] f32,
-    q_start [B] int32. Returns ``(kl, lse)``, both float32 [B, S]: the
+    q_start [B] int32, row_ranges [B,S,3|0] int32. Returns ``(kl, lse)``, both float32 [B, S]: the
     per-row KL and the row's log-sum-exp over its valid logits (the residual
     the backward uses; -inf for a row with no valid slot)."""
-    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start)
+    problem = _contract.check_indexer_canonical(index_q, index_k, weights, indices, target, q_start, row_ranges)
     B, S = problem.B, problem.S
     if problem.is_empty:
         return jnp.zeros((B, S), jnp.float32), jnp.full((B, S), -jnp.inf, jnp.float32)
@@ -195,8 +199,8 @@ def indexer_reference_canonical(
     C = min(int(chunk), R) if chunk else indexer_chunk_rows(problem)
 
     def body(start, _, carry):
-        logits, valid, *_ = indexer_logits(index_q, index_k, weights, indices, q_start, start, C, problem,
-                                           scale=scale, causal=causal, k_stride=k_stride)
+        logits, valid, *_ = indexer_logits(index_q, index_k, weights, indices, q_start, row_ranges, start, C,
+                                           problem, scale=scale, causal=causal, k_stride=k_stride)
         t = teacher(rows_of(target, start, C), valid)
         return kl_rows(logits, valid, t), carry
 
@@ -217,5 +221,6 @@ def indexer_kl_reference(
                                             who=who)
     q_start_index = _contract.check_q_start_index(q_start_index, problem, who)
     args = canonicalize(problem, index_q, index_k, weights, indices, target, q_start_index)
-    kl, _ = indexer_reference_canonical(*args, scale=params.scale, causal=params.causal, k_stride=params.k_stride)
+    kl, _ = indexer_reference_canonical(*args, _contract.no_row_ranges(problem.B, problem.S), scale=params.scale,
+                                        causal=params.causal, k_stride=params.k_stride)
     return kl if problem.batched else kl[0]

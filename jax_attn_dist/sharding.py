@@ -20,6 +20,9 @@ array of batch element b. So:
   mesh axes that shard S (inside the per-shard function; no collective). The
   kernels compute every row independently, so sharded results equal the
   unsharded ones bit for bit.
+* SPEC §6's per-row ranges (``row_ranges`` [B, S, 3], or [B, S, 0]) are
+  sharded with their rows and need no offset: they hold absolute key
+  positions and each row's own length.
 * key arrays (``k``, ``index_k``) are replicated: all-gathered if they arrive
   sharded over N or D (any query may select any key).
 * attn_dist: ``t`` (indices' T) may be sharded, and ``h`` in whole groups of
@@ -191,6 +194,7 @@ class AttnDistDecision(Decision):
             self.named(b, s, (), t),      # indices
             self.named(b, s, h),          # lse
             self.named(b),                # q_start
+            self.named(b, s, ()),         # row_ranges
         )
 
     @property
@@ -211,6 +215,7 @@ class IndexerDecision(Decision):
             self.named(b, s, (), ()),     # indices
             self.named(b, s, ()),         # target
             self.named(b),                # q_start
+            self.named(b, s, ()),         # row_ranges
         )
 
     @property
@@ -263,10 +268,11 @@ def _sdy_rule(operands, results, replicated, **sizes) -> SdyShardingRule:
 
 def attn_dist_rule(*static_and_mesh_and_types):
     """attn_dist: q b s h d; k b n hk d; indices b s hk t; lse b s h;
-    q_start b -> out b g s t (h = (g, hg) when heads split in groups)."""
+    q_start b; row_ranges b s r -> out b g s t (h = (g, hg) when heads
+    split in groups)."""
     operand_types = static_and_mesh_and_types[-2]
     H, HK = tuple(operand_types[0].shape)[2], tuple(operand_types[1].shape)[2]
-    replicated = ["n", "hk", "d"]
+    replicated = ["n", "hk", "d", "r"]
     if heads_shardable(H, HK):
         h = CompoundFactor("g", "hg")
         sizes = {"hg": HEADS_PER_GROUP}
@@ -275,18 +281,20 @@ def attn_dist_rule(*static_and_mesh_and_types):
         h = "h"
         sizes = {}
         replicated += ["h", "g"]
-    operands = (("b", "s", h, "d"), ("b", "n", "hk", "d"), ("b", "s", "hk", "t"), ("b", "s", h), ("b",))
+    operands = (("b", "s", h, "d"), ("b", "n", "hk", "d"), ("b", "s", "hk", "t"), ("b", "s", h), ("b",),
+                ("b", "s", "r"))
     return _sdy_rule(operands, (("b", "g", "s", "t"),), replicated, **sizes)
 
 
 _INDEXER_OPERANDS = (("b", "s", "h", "d"), ("b", "n", "d"), ("b", "s", "h"), ("b", "s", "one", "t"),
-                     ("b", "s", "t"), ("b",))
-_INDEXER_REPLICATED = ("h", "d", "n", "one", "t")
+                     ("b", "s", "t"), ("b",), ("b", "s", "r"))
+_INDEXER_REPLICATED = ("h", "d", "n", "one", "t", "r")
 
 
 def indexer_rule(*static_and_mesh_and_types):
     """indexer_kl forward: index_q b s h d; index_k b n d; weights b s h;
-    indices b s one t; target b s t; q_start b -> kl, lse b s."""
+    indices b s one t; target b s t; q_start b; row_ranges b s r -> kl,
+    lse b s."""
     return _sdy_rule(_INDEXER_OPERANDS, (("b", "s"), ("b", "s")), _INDEXER_REPLICATED)
 
 
@@ -317,11 +325,11 @@ class OpPartitioning:
     multiple_results: bool
 
 
-ATTN_DIST = OpPartitioning(5, ("sm_scale", "causal", "k_stride", "lse_base", "implementation"), 4,
+ATTN_DIST = OpPartitioning(6, ("sm_scale", "causal", "k_stride", "lse_base", "implementation"), 4,
                            attn_dist_rule, AttnDistDecision, False)
 _INDEXER_PARAMS = ("scale", "causal", "k_stride", "deterministic", "implementation")
-INDEXER_FWD = OpPartitioning(6, _INDEXER_PARAMS, 5, indexer_rule, IndexerDecision, True)
-INDEXER_BWD = OpPartitioning(8, _INDEXER_PARAMS, 5, indexer_bwd_rule, IndexerBwdDecision, True)
+INDEXER_FWD = OpPartitioning(7, _INDEXER_PARAMS, 5, indexer_rule, IndexerDecision, True)
+INDEXER_BWD = OpPartitioning(9, _INDEXER_PARAMS, 5, indexer_bwd_rule, IndexerBwdDecision, True)
 
 
 def shard_offset(q_start, s_axes: Tuple[str, ...], s_local: int):

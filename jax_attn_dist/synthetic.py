@@ -85,7 +85,7 @@ def _topk_indices(key, B, S, N, HK, T, q_start, *, causal, k_stride):
         b_rows = rows // S
         s_rows = rows - b_rows * S
         visible, _ = valid_slots(
-            jnp.broadcast_to(keys_all, (C, HK, N)), b_rows, s_rows, qq, qr,
+            jnp.broadcast_to(keys_all, (C, HK, N)), b_rows, s_rows, qq, qr, None,
             N=N, causal=causal, k_stride=k_stride,
         )
         scores = jnp.where(visible, scores, -jnp.inf)

@@ -65,12 +65,16 @@ def make_case_inputs(case: Case):
     return (index_q, index_k, weights, indices, target, q_start), kwargs
 
 
-def poisoned_kernel_call(index_q, index_k, weights, indices, target, q_start, *, scale, causal, k_stride):
-    """The indexer kernel on canonical operands, writing into NaN-filled buffers."""
+def poisoned_kernel_call(index_q, index_k, weights, indices, target, q_start, row_ranges=None, *, scale, causal,
+                         k_stride):
+    """The indexer kernel on canonical operands, writing into NaN-filled buffers
+    (``row_ranges``: SPEC §6's [B, S, 3], or None)."""
     row = jax.ShapeDtypeStruct(index_q.shape[:2], jnp.float32)
+    if row_ranges is None:
+        row_ranges = _contract.no_row_ranges(*row.shape)
     poison = jnp.full(row.shape, jnp.nan, jnp.float32)
-    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_FWD_POISONED, (row, row), input_output_aliases={6: 0, 7: 1})
-    return call(index_q, index_k, weights, indices, target, q_start, poison, poison + 0.0,
+    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_FWD_POISONED, (row, row), input_output_aliases={7: 0, 8: 1})
+    return call(index_q, index_k, weights, indices, target, q_start, row_ranges, poison, poison + 0.0,
                 scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride))
 
 
@@ -143,18 +147,21 @@ def sweep_cases(count: int = 40, seed: int = 2027):
 BWD_TOLERANCE = 2.0 ** -7
 
 
-def poisoned_bwd_call(index_q, index_k, weights, indices, target, q_start, lse, g, *, scale, causal, k_stride,
-                      deterministic=False):
+def poisoned_bwd_call(index_q, index_k, weights, indices, target, q_start, lse, g, row_ranges=None, *, scale, causal,
+                      k_stride, deterministic=False):
     """The backward kernels into NaN-filled d index_q, d weights and
-    d index_k (the workspace is scratch and not returned)."""
+    d index_k (the workspace is scratch and not returned; ``row_ranges``:
+    SPEC §6's [B, S, 3], or None)."""
+    if row_ranges is None:
+        row_ranges = _contract.no_row_ranges(*index_q.shape[:2])
     shapes = (jax.ShapeDtypeStruct(index_q.shape, jnp.bfloat16), jax.ShapeDtypeStruct(weights.shape, jnp.float32),
               jax.ShapeDtypeStruct(index_k.shape, jnp.float32))
     workspace = jax.ShapeDtypeStruct(
         (_contract.indexer_bwd_workspace_bytes(index_k.shape, deterministic=deterministic),), jnp.uint8)
     poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in shapes]
     call = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD_POISONED, (*shapes, workspace),
-                            input_output_aliases={8: 0, 9: 1, 10: 2})
-    return call(index_q, index_k, weights, indices, target, q_start, lse, g, *poison,
+                            input_output_aliases={9: 0, 10: 1, 11: 2})
+    return call(index_q, index_k, weights, indices, target, q_start, row_ranges, lse, g, *poison,
                 scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),
                 deterministic=bool(deterministic))[:3]
 

@@ -71,15 +71,19 @@ def make_case_inputs(case: Case):
     return (q, k, indices, lse, q_start), kwargs
 
 
-def poisoned_kernel_call(q, k, indices, lse, q_start, *, sm_scale, causal, k_stride, lse_base, **_):
-    """The CUDA kernel on canonical operands, writing into a NaN-filled buffer."""
+def poisoned_kernel_call(q, k, indices, lse, q_start, row_ranges=None, *, sm_scale, causal, k_stride, lse_base,
+                         **_):
+    """The CUDA kernel on canonical operands, writing into a NaN-filled buffer
+    (``row_ranges``: SPEC §6's [B, S, 3], or None)."""
     B, S, H, _D = q.shape
+    if row_ranges is None:
+        row_ranges = _contract.no_row_ranges(B, S)
     T = indices.shape[-1]
     shape = (B, math.ceil(H / 64), S, T)
     poison = jnp.full(shape, jnp.nan, jnp.float32)
     call = jax.ffi.ffi_call(_contract.FFI_TARGET_POISONED, jax.ShapeDtypeStruct(shape, jnp.float32),
-                            input_output_aliases={5: 0})
-    return call(q, k, indices, lse, q_start, poison, sm_scale=np.float32(sm_scale), causal=bool(causal),
+                            input_output_aliases={6: 0})
+    return call(q, k, indices, lse, q_start, row_ranges, poison, sm_scale=np.float32(sm_scale), causal=bool(causal),
                 k_stride=np.int32(k_stride), lse_base_e=lse_base == "e")
 
 

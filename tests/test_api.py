@@ -75,8 +75,9 @@ def test_primitive_abstract_eval(B):
     assert len(eqns) == 1
     e = eqns[0]
     Bc = B or 1
-    assert [v.aval.shape for v in e.invars] == [(Bc, 5, 100, 576), (Bc, 7, 1, 576), (Bc, 5, 1, 4), (Bc, 5, 100), (Bc,)]
-    assert e.invars[4].aval.dtype == jnp.int32
+    assert [v.aval.shape for v in e.invars] == [(Bc, 5, 100, 576), (Bc, 7, 1, 576), (Bc, 5, 1, 4), (Bc, 5, 100), (Bc,),
+                                                (Bc, 5, 0)]  # row_ranges: none
+    assert e.invars[4].aval.dtype == jnp.int32 and e.invars[5].aval.dtype == jnp.int32
     assert e.outvars[0].aval.shape == (Bc, 2, 5, 4)
     assert e.outvars[0].aval.dtype == jnp.float32
     assert e.params == dict(sm_scale=0.25, causal=True, k_stride=2, lse_base="e", implementation=None)
@@ -88,7 +89,7 @@ def test_primitive_rejects_non_canonical_operands():
     with pytest.raises(ValueError, match="canonical"):
         jax.eval_shape(
             lambda *a: attn_dist_p.bind(*a, sm_scale=1.0, causal=True, k_stride=1, lse_base="2", implementation=None),
-            q, k, i, l, SDS((1,), jnp.int32),
+            q, k, i, l, SDS((1,), jnp.int32), SDS((1, 5, 0), jnp.int32),
         )
 
 
@@ -134,11 +135,11 @@ def test_cuda_lowering_emits_ffi_call(B, D):
     calls = custom_calls(text)
     assert len(calls) == 1, text
     operands, rest = calls[0].group(1), calls[0].group(2)
-    assert len(operands.split(",")) == 5
+    assert len(operands.split(",")) == 6
     Bc = B or 1
     sig = (
         f"(tensor<{Bc}x5x130x{D}xbf16>, tensor<{Bc}x7x1x{D}xbf16>, tensor<{Bc}x5x1x4xi32>, "
-        f"tensor<{Bc}x5x130xf32>, tensor<{Bc}xi32>) -> tensor<{Bc}x3x5x4xf32>"
+        f"tensor<{Bc}x5x130xf32>, tensor<{Bc}xi32>, tensor<{Bc}x5x0xi32>) -> tensor<{Bc}x3x5x4xf32>"
     )
     assert sig in rest, rest
     assert re.search(r"sm_scale = 1\.234000e-01 : f32", rest), rest

@@ -165,9 +165,11 @@ def test_chunked_backward_equals_single_chunk():
     qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
     g = jnp.asarray(rng.standard_normal((3, 1, 7, 9)), F32)
     params = dict(sm_scale=kw["sm_scale"], causal=kw["causal"], k_stride=kw["k_stride"], lse_base=kw["lse_base"])
-    whole = backward.attn_dist_bwd_canonical(q, k, idx, lse, qs, g, **params)
+    none = _contract.no_row_ranges(3, 7)
+    whole = backward.attn_dist_bwd_canonical(q, k, idx, lse, qs, none, g, **params)
     for chunk in (4, 5, 8):  # 21 rows: 6 chunks with an overlap; 5 chunks overlapping; 3 chunks
-        part = jax.jit(lambda *a: backward.attn_dist_bwd_canonical(*a, chunk=chunk, **params))(q, k, idx, lse, qs, g)
+        part = jax.jit(lambda *a: backward.attn_dist_bwd_canonical(*a, chunk=chunk, **params))(q, k, idx, lse, qs,
+                                                                                               none, g)
         for a, b, name in zip(part, whole, ("dq", "dk", "dlse")):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()), err_msg=f"{name} chunk={chunk}")
 
@@ -179,7 +181,8 @@ def test_public_grad_through_chunk_loop(monkeypatch):
     seed = seed_of("grad-public-chunks")
     rng = np.random.default_rng(seed)
     q, k, idx, lse, kw = make_inputs(seed, B=2, S=5, H=4, D=8, N=6, T=5, dtype=BF16, q_start_index="batch", lse_noise=0.3)
-    assert backward.backward_chunk_rows(_contract.check_canonical(q, k, idx, lse, jnp.zeros(2, jnp.int32))) == 1
+    assert backward.backward_chunk_rows(_contract.check_canonical(q, k, idx, lse, jnp.zeros(2, jnp.int32),
+                                                                 _contract.no_row_ranges(2, 5))) == 1
     cot = jnp.asarray(rng.standard_normal((2, 1, 5, 5)), F32)
     (dq, dk, dlse), (dq_p, dk_p, dlse_p) = vjps(q, k, idx, lse, kw, cot)
     assert_grad_close(dq, dq_p, "dq", 1e-2)

@@ -117,8 +117,9 @@ def test_chunk_loop(chunk):
                                                   q_start_index="batch", dtype=F32)
     qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
     params = dict(scale=kw["scale"], causal=kw["causal"], k_stride=kw["k_stride"])
-    whole = indexer_reference_canonical(iq, ik, w, idx, tgt, qs, **params)
-    part = jax.jit(lambda *a: indexer_reference_canonical(*a, chunk=chunk, **params))(iq, ik, w, idx, tgt, qs)
+    none = jnp.zeros((2, 9, 0), jnp.int32)
+    whole = indexer_reference_canonical(iq, ik, w, idx, tgt, qs, none, **params)
+    part = jax.jit(lambda *a: indexer_reference_canonical(*a, chunk=chunk, **params))(iq, ik, w, idx, tgt, qs, none)
     for a, b in zip(part, whole):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 

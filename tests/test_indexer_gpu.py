@@ -208,12 +208,12 @@ def test_zero_topk_writes_zero_kl_and_minus_inf_lse():
 
 def _raw_ffi(**change):
     shapes = dict(index_q=(1, 4, 64, 128), index_k=(1, 32, 128), weights=(1, 4, 64), indices=(1, 4, 1, 64),
-                  target=(1, 4, 64), q_start=(1,), out=(1, 4))
+                  target=(1, 4, 64), q_start=(1,), row_ranges=(1, 4, 0), out=(1, 4))
     attrs = dict(scale=1.0, k_stride=1)
     for k, v in change.items():
         (shapes if k in shapes else attrs)[k] = v
     dt = dict(index_q=jnp.bfloat16, index_k=jnp.bfloat16, weights=jnp.float32, indices=jnp.int32,
-              target=jnp.float32, q_start=jnp.int32)
+              target=jnp.float32, q_start=jnp.int32, row_ranges=jnp.int32)
     args = [jnp.zeros(shapes[n], dt[n]) for n in dt]
     out = jax.ShapeDtypeStruct(shapes["out"], jnp.float32)
     call = jax.ffi.ffi_call(_contract.FFI_INDEXER_FWD, (out, out))
@@ -230,6 +230,7 @@ BAD = {
     "indices HK": (dict(indices=(1, 4, 2, 64)), "indices must have shape"),
     "target T": (dict(target=(1, 4, 65)), "target must have shape"),
     "q_start": (dict(q_start=(2,)), "q_start must have shape"),
+    "row_ranges": (dict(row_ranges=(1, 4, 4)), "row_ranges must have shape"),
     "out": (dict(out=(1, 5)), "kl must have shape"),
     "scale": (dict(scale=float("nan")), "scale must be finite"),
     "k_stride": (dict(k_stride=0), "k_stride must be >= 1"),
@@ -251,7 +252,8 @@ def test_ffi_handler_returns_clear_errors(name):
 def _raw_bwd_ffi(HI=64, g_rows=4, deterministic=False, workspace=None):
     dt = dict(index_q=((1, 4, HI, 128), jnp.bfloat16), index_k=((1, 32, 128), jnp.bfloat16),
               weights=((1, 4, HI), jnp.float32), indices=((1, 4, 1, 64), jnp.int32),
-              target=((1, 4, 64), jnp.float32), q_start=((1,), jnp.int32), lse=((1, 4), jnp.float32),
+              target=((1, 4, 64), jnp.float32), q_start=((1,), jnp.int32), row_ranges=((1, 4, 0), jnp.int32),
+              lse=((1, 4), jnp.float32),
               g=((1, g_rows), jnp.float32))
     args = [jnp.zeros(shape, d) for shape, d in dt.values()]
     if workspace is None:

@@ -101,10 +101,13 @@ def test_k_larger_than_2_pow_31_elements():
     assert (out[..., 1:4] == 0).all()
 
 
-def _raw_ffi(q_shape, k_shape, idx_shape, lse_shape, qs_shape, out_shape, *, sm_scale=0.1, k_stride=1):
+def _raw_ffi(q_shape, k_shape, idx_shape, lse_shape, qs_shape, out_shape, *, ranges_shape=None, sm_scale=0.1,
+             k_stride=1):
     """The FFI target called directly, bypassing the Python checks."""
+    if ranges_shape is None:
+        ranges_shape = q_shape[:2] + (0,)
     args = (jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16), jnp.zeros(idx_shape, jnp.int32),
-            jnp.zeros(lse_shape, jnp.float32), jnp.zeros(qs_shape, jnp.int32))
+            jnp.zeros(lse_shape, jnp.float32), jnp.zeros(qs_shape, jnp.int32), jnp.zeros(ranges_shape, jnp.int32))
     call = jax.ffi.ffi_call(_contract.FFI_TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
     return jax.block_until_ready(jax.jit(lambda *a: call(*a, sm_scale=np.float32(sm_scale), causal=True,
                                                          k_stride=np.int32(k_stride), lse_base_e=False))(*args))
@@ -119,6 +122,8 @@ BAD = {
     "indices S": (dict(idx_shape=(1, 5, 1, 64)), "indices must have shape"),
     "lse H": (dict(lse_shape=(1, 4, 32)), "lse must have shape"),
     "q_start B": (dict(qs_shape=(2,)), "q_start must have shape"),
+    "row_ranges fields": (dict(ranges_shape=(1, 4, 2)), r"row_ranges must have shape \[B, S, 0\] \(none\) or"),
+    "row_ranges S": (dict(ranges_shape=(1, 5, 3)), r"row_ranges must have shape \[B, S, 3\]"),
     "out G": (dict(out_shape=(1, 2, 4, 64)), "out must have shape"),
     "k_stride 0": (dict(k_stride=0), "k_stride must be >= 1"),
     "sm_scale nan": (dict(sm_scale=float("nan")), "sm_scale must be finite"),
@@ -127,6 +132,9 @@ BAD = {
 
 def test_ffi_handler_accepts_good_call():
     assert _raw_ffi(**GOOD).shape == GOOD["out_shape"]
+    # All-zero row ranges: the empty key range and no live slot, so all zeros.
+    out = _raw_ffi(**GOOD, ranges_shape=(1, 4, 3))
+    assert out.shape == GOOD["out_shape"] and not np.asarray(out).any()
 
 
 @pytest.mark.parametrize("name", list(BAD))

@@ -522,3 +522,92 @@ def test_export_takes_the_boundaries_as_inputs():
         oracle.assert_within_spec(exp.call(q, k, idx, lse, cq, ck, qs), oracle.attn_dist_oracle(
             q, k, idx, lse, q_start_index=np.asarray(qs), cu_seqlens_q=np.asarray(cq), cu_seqlens_k=np.asarray(ck),
             **rule))
+
+
+# ----------------------------------------------------------------------------
+# the per-row ranges the primitives take, against the oracle's reading
+# ----------------------------------------------------------------------------
+
+
+def _every_key(S, N, lead=()):
+    """indices selecting every key and a few invalid ones, in every row:
+    [*lead, S, 1, N + 4] (slot j holds key j - 2)."""
+    return np.broadcast_to(np.arange(-2, N + 2, dtype=np.int32), lead + (S, 1, N + 4))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_row_ranges_match_oracle_on_random_boundaries(seed):
+    """packing.row_ranges + _chunks.in_row_ranges (the rule every path
+    applies) equal the oracle's SPEC §6 validity slot by slot, on random
+    boundaries (odd seeds malformed: decreasing, negative, past S or N,
+    int32 extremes), random per-sequence starts (extremes included),
+    k_stride 1..3, causal or not, and random topk_length."""
+    from jax_attn_dist import _chunks, _contract, packing
+
+    rng = np.random.default_rng(seed_of("row-ranges-random", seed))
+    S, N = 37, 45
+    idx = _every_key(S, N)
+    T = idx.shape[-1]
+    num_seqs = int(rng.integers(0, 7))
+    cu_q = np.sort(rng.integers(0, S + 1, num_seqs + 1))
+    cu_k = np.sort(rng.integers(0, N + 1, num_seqs + 1))
+    if seed % 2:
+        pool = np.array([INT32_MIN, -3, -1, S - 1, S + 1, N + 1, INT32_MAX])
+        for cu in (cu_q, cu_k):
+            hit = rng.random(cu.shape) < 0.3
+            cu[hit] = pool[rng.integers(0, len(pool), hit.sum())]
+            if rng.random() < 0.5 and len(cu) > 2:
+                cu[1], cu[2] = cu[2] + 3, cu[1]  # a decreasing pair
+    q_start = rng.integers(-60, 60, num_seqs)
+    if num_seqs and rng.random() < 0.5:
+        q_start[0] = INT32_MAX if seed % 4 < 2 else INT32_MIN
+    topk = rng.integers(-3, T + 3, S)
+    topk[: len(topk) // 4] = rng.choice([INT32_MIN, INT32_MAX, 0, T], len(topk) // 4)
+    for causal in (True, False):
+        for ks in (1, 2, 3):
+            pk = dict(topk_length=i32(topk), cu_seqlens_q=i32(cu_q), cu_seqlens_k=i32(cu_k))
+            packed = _contract.Packing(q_start_index=i32(q_start), **pk)
+            ranges = packing.row_ranges(packed, S=S, N=N, T=T, causal=causal, k_stride=ks)
+            got = np.asarray(_chunks.in_row_ranges(jnp.asarray(idx), ranges, N=N))
+            want = oracle.valid_mask(idx[None], N, causal=causal, q_start_index=q_start, k_stride=ks,
+                                     **oracle_kwargs(pk))[0]
+            np.testing.assert_array_equal(got, want, err_msg=f"causal={causal} k_stride={ks}")
+
+
+@pytest.mark.parametrize("q_start", ["batch-extremes", 5])
+def test_row_ranges_topk_alone_batched(q_start):
+    """topk_length alone (batched, per-batch q_start with int32 extremes): the
+    ranges hold the causal rule too."""
+    from jax_attn_dist import _chunks, _contract, packing
+
+    rng = np.random.default_rng(seed_of("row-ranges-topk", str(q_start)))
+    B, S, N = 3, 21, 30
+    idx = _every_key(S, N, (B,))
+    T = idx.shape[-1]
+    qs = np.array([INT32_MIN, -4, INT32_MAX - 3]) if q_start == "batch-extremes" else q_start
+    topk = rng.integers(-3, T + 3, (B, S))
+    for causal in (True, False):
+        for ks in (1, 2, 4):
+            packed = _contract.Packing(topk_length=i32(topk), q_start_index=qs if isinstance(qs, int) else i32(qs))
+            ranges = packing.row_ranges(packed, S=S, N=N, T=T, causal=causal, k_stride=ks, batch=B)
+            got = np.asarray(_chunks.in_row_ranges(jnp.asarray(idx).reshape(B * S, 1, T),
+                                                   ranges.reshape(B * S, 3), N=N)).reshape(idx.shape)
+            want = oracle.valid_mask(idx, N, causal=causal, q_start_index=qs, k_stride=ks, topk_length=topk)
+            np.testing.assert_array_equal(got, want, err_msg=f"causal={causal} k_stride={ks}")
+
+
+def test_cuda_lowering_passes_row_ranges_to_the_kernels():
+    """On CUDA, a packed call hands its per-row ranges [1, S, 3] to the
+    kernels' custom calls (forward and backward); the indices reach them
+    unmasked (no [S, T] select before the call)."""
+    from jax_attn_dist import _contract
+
+    case = dict(name="lowering", S=16, N=20, T=8, cu_q=[0, 7, 14], cu_k=[0, 9, 18], topk=[3] * 16)
+    iq, ik, w, idx, tgt, rule, pk = indexer_problem(case, dtype=BF16, HI=16, DI=64)
+    fn = lambda a, b, c: jnp.sum(indexer_kl(a, b, c, idx, tgt, **rule, **pk))  # noqa: E731
+    text = jax.jit(jax.grad(fn, argnums=(0, 1, 2))).trace(iq, ik, w).lower(lowering_platforms=("cuda",)).as_text()
+    for target in (_contract.FFI_INDEXER_FWD, _contract.FFI_INDEXER_BWD):
+        call = text[text.index(f"stablehlo.custom_call @{target}("):]
+        call = call[:call.index("\n")]
+        assert "tensor<1x16x3xi32>" in call, call
+    assert "tensor<1x16x1x8xi1>" not in text and "tensor<16x1x8xi1>" not in text  # no [S, T] mask

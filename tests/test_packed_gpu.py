@@ -1,7 +1,9 @@
 """SPEC §6 (packed sequences, per-row top-k lengths) on the CUDA kernels:
-the §6 rule masks the indices in XLA and the SM90 kernels serve the rest
+the §6 keywords become per-row ranges in XLA (packing.row_ranges) and the
+SM90 kernels apply them per row, skipping the blocks past topk_length
 (implementation="cuda"), against the float64 oracle's independent reading of
-§6. GPU only (see conftest.py); the jnp path's tests are test_packed.py."""
+§6; and the kernels on raw, adversarial ranges into poisoned outputs. GPU
+only (see conftest.py); the jnp path's tests are test_packed.py."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import indexer_cases
+import kernel_cases
 from indexer_cases import BWD_TOLERANCE
-from inputs import seed_of
+from inputs import INT32_MAX, INT32_MIN, make_indexer_inputs, seed_of
 from jax_attn_dist import _contract, attn_dist, indexer_kl, oracle
 from test_packed import CASES, attn_problem, indexer_problem, no_owner_rows, oracle_kwargs, traced_call
 
@@ -71,3 +75,110 @@ def test_indexer_kernels_on_packed_inputs(case, deterministic):
     if deterministic:
         for a, b in zip(got_g, grad(iq, ik, w)):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+# ----------------------------------------------------------------------------
+# raw row ranges: the kernels' own clamping, and the skipped blocks
+# ----------------------------------------------------------------------------
+
+
+def adversarial_row_ranges(rng, B, S, N, T):
+    """int32 [B, S, 3] (key_begin, key_end, topk_length): ordinary ranges
+    mixed with every kind of out-of-range value (negative, past N or T,
+    begin > end, INT32_MIN/MAX), and lengths on block edges (0, 1, 63, 64,
+    65, ...)."""
+    keys = np.array([INT32_MIN, -7, -1, 0, 1, N // 2, N - 1, N, N + 1, INT32_MAX], np.int64)
+    lengths = np.array([INT32_MIN, -1, 0, 1, 63, 64, 65, 127, 128, T - 1, T, T + 1, INT32_MAX], np.int64)
+    begin = rng.integers(0, N, (B, S))
+    end = begin + rng.integers(-3, N, (B, S))
+    begin = np.where(rng.random((B, S)) < 0.3, keys[rng.integers(0, len(keys), (B, S))], begin)
+    end = np.where(rng.random((B, S)) < 0.3, keys[rng.integers(0, len(keys), (B, S))], end)
+    length = np.where(rng.random((B, S)) < 0.6, lengths[rng.integers(0, len(lengths), (B, S))],
+                      rng.integers(0, T + 1, (B, S)))
+    length[0, 0] = 0  # a row with no live block (its CTA loads nothing)
+    out = np.stack([begin, end, length], axis=-1)
+    return np.clip(out, INT32_MIN, INT32_MAX).astype(np.int32)
+
+
+def ranges_mask(indices, ranges, N):
+    """bool [B, S, 1, T]: the row-range rule of _contract.ROW_RANGE_FIELDS in
+    Python integers (independent of the kernels' and the jnp path's)."""
+    idx = np.asarray(indices).astype(np.int64)
+    r = np.asarray(ranges).astype(np.int64)
+    T = idx.shape[-1]
+    begin = np.clip(r[..., 0], 0, N)
+    end = np.clip(r[..., 1], begin, N)
+    length = np.clip(r[..., 2], 0, T)
+    j = np.arange(T)
+    return ((idx >= begin[:, :, None, None]) & (idx < end[:, :, None, None])
+            & (j < length[:, :, None, None]))
+
+
+def adversarial_indices(rng, B, S, T, N):
+    idx = rng.integers(0, N, (B, S, 1, T)).astype(np.int64)
+    bad = np.array([INT32_MIN, -1, N, INT32_MAX], np.int64)
+    idx = np.where(rng.random(idx.shape) < 0.15, bad[rng.integers(0, 4, idx.shape)], idx)
+    idx[..., 1] = idx[..., 0]  # duplicates
+    return idx.astype(np.int32)
+
+
+def test_attn_dist_kernel_on_raw_row_ranges():
+    """attn_dist's kernel on adversarial row ranges (with causal=True and a
+    random q_start, which the ranges replace) into a NaN-poisoned output:
+    every element written, the skipped blocks 0, the rest within SPEC §3."""
+    rng = np.random.default_rng(seed_of("raw-ranges-attn"))
+    B, S, H, D, N, T = 2, 48, 64, 576, 300, 200
+    q = jnp.asarray(rng.standard_normal((B, S, H, D)).astype(np.float32), BF16)
+    k = jnp.asarray(rng.standard_normal((B, N, 1, D)).astype(np.float32), BF16)
+    idx = adversarial_indices(rng, B, S, T, N)
+    ranges = adversarial_row_ranges(rng, B, S, N, T)
+    masked = np.where(ranges_mask(idx, ranges, N), idx, -1)
+    rule = dict(sm_scale=D ** -0.5, k_stride=1, lse_base="2")
+    lse = oracle.exact_lse(q, k, masked, causal=False, q_start_index=0, empty_value=0.0, **rule).astype(np.float32)
+    q_start = jnp.asarray(rng.integers(-50, 50, (B,)), jnp.int32)
+    got = np.asarray(jax.jit(functools.partial(kernel_cases.poisoned_kernel_call, causal=True, **rule))(
+        q, k, jnp.asarray(idx), jnp.asarray(lse), q_start, jnp.asarray(ranges)))
+    want = oracle.attn_dist_oracle(q, k, masked, lse, causal=False, q_start_index=0, **rule)
+    assert not np.isnan(got).any()
+    oracle.assert_within_spec(got, want)
+    live = np.clip(ranges[..., 2].astype(np.int64), 0, T)
+    for b, s in zip(*np.nonzero(live < T)):
+        assert np.all(got[b, :, s, live[b, s]:] == 0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_indexer_kernels_on_raw_row_ranges(deterministic):
+    """The indexer's forward and backward kernels on adversarial row ranges
+    (causal=True and q_start replaced by them) into poisoned outputs."""
+    rng = np.random.default_rng(seed_of("raw-ranges-indexer"))
+    B, S, HI, DI, N, T = 2, 40, 64, 128, 300, 200
+    iq, ik, w, _, tgt, kw = make_indexer_inputs(seed_of("raw-ranges-indexer"), B=B, S=S, HI=HI, DI=DI, N=N, T=T,
+                                                dtype=BF16, zero_rows=0.1)
+    idx = adversarial_indices(rng, B, S, T, N)
+    ranges = adversarial_row_ranges(rng, B, S, N, T)
+    masked = np.where(ranges_mask(idx, ranges, N), idx, -1)
+    scale = kw["scale"]
+    q_start = jnp.asarray(rng.integers(-50, 50, (B,)), jnp.int32)
+    operands = (iq, ik, w, jnp.asarray(idx), tgt, q_start)
+    kl, lse = jax.jit(functools.partial(indexer_cases.poisoned_kernel_call, scale=scale, causal=True, k_stride=1))(
+        *operands, jnp.asarray(ranges))
+    plain = dict(scale=scale, causal=False, q_start_index=0, k_stride=1)
+    oracle.assert_indexer_close(np.asarray(kl), oracle.indexer_kl_oracle(iq, ik, w, masked, tgt, **plain))
+    want_lse = oracle.indexer_lse_oracle(iq, ik, w, masked, **plain)
+    got_lse = np.asarray(lse)
+    assert np.array_equal(np.isinf(got_lse), np.isinf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=2e-3 * max(1.0, np.abs(want_lse[finite]).max()))
+
+    g = jnp.asarray(rng.standard_normal((B, S)), jnp.float32)
+    bwd = jax.jit(functools.partial(indexer_cases.poisoned_bwd_call, scale=scale, causal=True, k_stride=1,
+                                    deterministic=deterministic))
+    got_g = bwd(*operands, lse, g, jnp.asarray(ranges))
+    want, mags, ambiguous = oracle.indexer_grads_oracle(iq, ik, w, masked, tgt, g, **plain, magnitudes=True)
+    for name, a, ref, mag, amb in zip(("d_index_q", "d_weights", "d_index_k"), got_g, (want[0], want[2], want[1]),
+                                      (mags[0], mags[2], mags[1]), (ambiguous[0], ambiguous[2], ambiguous[1])):
+        a = np.asarray(jnp.asarray(a, jnp.float32))
+        assert not np.isnan(a).any(), name
+        bound = BWD_TOLERANCE * mag + amb + 1e-6 * np.abs(ref).max()
+        err = np.abs(a - ref)
+        assert np.all(err <= bound), f"{name}: max excess {np.max(err - bound):.3e}"

@@ -416,8 +416,11 @@ def test_cuda_lowering_of_jit_sharding_partitions_to_kernel_calls(_cross_lowerin
         return xc.Shape.array_shape(np.dtype(a.dtype), a.shape)
 
     out_spec = jax.ShapeDtypeStruct((2, 2, 64, 32), jnp.float32)
+    # the primitive's operands: the five arguments and the (empty) row ranges [B, S, 0]
+    ranges = jax.ShapeDtypeStruct((2, 64, 0), jnp.int32)
     module, arg_hlo, out_hlo = cp._custom_partitioning_partition(
-        [xshape(a) for a in specs], [s._to_xla_hlo_sharding(a.ndim) for s, a in zip(in_sh, specs)],
+        [xshape(a) for a in (*specs, ranges)],
+        [s._to_xla_hlo_sharding(a.ndim) for s, a in zip((*in_sh, ns()), (*specs, ranges))],
         xshape(out_spec), out_sh._to_xla_hlo_sharding(4), key,
     )
     with mlir.make_ir_context():

@@ -61,7 +61,8 @@ def test_vmap_all_operands_equals_loop(B, dtype):
     assert_same(got, loop(q, k, idx, lse, qs, kw))
     shapes = primitive_operand_shapes(jax.vmap(f), q, k, idx, lse, qs)
     Bc = B or 1
-    assert shapes == [((V * Bc, 7, 5, 8), (V * Bc, 9, 1, 8), (V * Bc, 7, 1, 6), (V * Bc, 7, 5), (V * Bc,))]
+    assert shapes == [((V * Bc, 7, 5, 8), (V * Bc, 9, 1, 8), (V * Bc, 7, 1, 6), (V * Bc, 7, 5), (V * Bc,),
+                       (V * Bc, 7, 0))]
 
 
 def test_vmap_axes_anywhere_and_unmapped_operands():

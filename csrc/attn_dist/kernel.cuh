@@ -42,7 +42,8 @@ __device__ __forceinline__ CtaProblem locate_cta(const AttnDistParams& p) {
   linear /= num_head_tiles;
   c.s = linear % p.s_q;
   c.batch = linear / p.s_q;
-  c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride);
+  c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride,
+                           p.row_ranges);
   return c;
 }
 
@@ -171,6 +172,22 @@ __device__ __forceinline__ void softmax_sum_store(const Acc& acc, const float (&
   p.out[((int64_t(c.batch) * p.num_groups + g) * p.s_q + c.s) * p.topk + t] = valid ? value : 0.f;
 }
 
+// Slots from first_slot on belong to blocks past the row's live slots
+// (topk_length, SPEC §6.1), which were skipped: their outputs are 0. Both
+// consumer warpgroups share the stores (`thread` in 0 .. 255), coalesced.
+template <class Cfg>
+__device__ __forceinline__ void store_skipped_slots(const AttnDistParams& p, const CtaProblem& c, int first_slot,
+                                                    int thread) {
+  constexpr int kStoreThreads = kNumConsumers * kWarpgroupThreads;
+  CUTE_UNROLL
+  for (int gi = 0; gi < Cfg::kGroupsPerTile; ++gi) {
+    const int g = c.head_tile * Cfg::kGroupsPerTile + gi;
+    if (g >= p.num_groups) break;
+    float* row = p.out + ((int64_t(c.batch) * p.num_groups + g) * p.s_q + c.s) * p.topk;
+    for (int t = first_slot + thread; t < p.topk; t += kStoreThreads) row[t] = 0.f;
+  }
+}
+
 template <class Cfg>
 __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& plan, const AttnDistParams& p,
                                                const CtaProblem& c, int consumer, int thread_in_wg) {
@@ -198,6 +215,7 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
     softmax_sum_store<Cfg>(acc, neg_lse, p, c, block, warp, lane, c.slots.key_if_valid(index0) >= 0,
                            c.slots.key_if_valid(index1) >= 0);
   }
+  store_skipped_slots<Cfg>(p, c, num_blocks * kBlockTopk, consumer * kWarpgroupThreads + thread_in_wg);
 }
 
 // ---------------------------------------------------------------------------
@@ -225,7 +243,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == kNumConsumers) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (thread_in_wg == 0) {
+    // A row with no live block (topk_length <= 0) needs no Q, and no
+    // consumer would wait for it: a CTA must not exit with its TMA in flight.
+    if (thread_in_wg == 0 && cta.slots.num_blocks() > 0) {
       cute::prefetch_tma_descriptor(&tma.q);
       load_q_by_tma<Cfg>(plan, tma, cta);
     }

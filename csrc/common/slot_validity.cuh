@@ -1,12 +1,21 @@
-// The index-validity rule of docs/SPEC.md §2, shared by every kernel.
+// The index-validity rule of docs/SPEC.md §2 and §6, shared by every kernel.
 //
 // Slot t of query row s selects key i = indices[b, s, 0, t] (any int32). It is
-// valid when 0 <= i < N and, if causal, i <= floor((q_start + s + 1 - k_stride)
-// / k_stride). A kernel builds one RowSlots per query row and asks it; nothing
-// else decides validity.
+// valid when t < the row's live slot count and key_begin <= i < key_end, with
+// * no row ranges (SPEC §2): every slot live, key_begin = 0, key_end = N, or,
+//   if causal, min(N, floor((q_start + s + 1 - k_stride) / k_stride) + 1);
+// * row ranges [B, S, 3] (SPEC §6, computed in XLA from cu_seqlens,
+//   topk_length, causal and q_start; see jax_attn_dist/packing.py): the row's
+//   (key_begin, key_end, topk_length), clamped here into [0, N] and [0, T] so
+//   that no value can make a kernel read out of bounds.
+// A kernel builds one RowSlots per query row and asks it; nothing else
+// decides validity. Slots past the live count are never loaded, so whole
+// blocks past it are skipped.
 #pragma once
 
 #include <cstdint>
+
+#include "../params.h"  // kRowRangeFields
 
 namespace attn_dist {
 
@@ -17,27 +26,46 @@ __host__ __device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {  /
 }
 
 struct RowSlots {
-  const int32_t* indices;    // this row's T slot indices
-  int topk;                  // T
-  // Keys 0 .. key_limit - 1 are valid for this row: min(N, the causal bound + 1),
-  // at least 0. Then "0 <= i < N and i <= bound" is one unsigned compare.
-  uint32_t key_limit;
+  const int32_t* indices;    // this row's slot indices (the row holds T of them)
+  int topk;                  // live slots: 0 .. topk - 1 (T, or the row's clamped topk_length)
+  // Keys key_begin .. key_begin + key_span - 1 are valid for this row, inside
+  // [0, N]. Then "key_begin <= i < key_begin + key_span" is one unsigned
+  // compare: (uint32(i) - key_begin) wraps past key_span for every i below.
+  uint32_t key_begin;
+  uint32_t key_span;
 
-  // The raw index of slot t (any int32), or -1 past T.
+  // The raw index of slot t (any int32), or -1 past the live slots.
   __device__ __forceinline__ int32_t load(int t) const { return t < topk ? __ldg(indices + t) : -1; }
 
-  // The key of a slot index if it is valid (in [0, N) and causally visible), else -1.
-  __device__ __forceinline__ int32_t key_if_valid(int32_t i) const { return uint32_t(i) < key_limit ? i : -1; }
+  // The key of a slot index if it is valid, else -1.
+  __device__ __forceinline__ int32_t key_if_valid(int32_t i) const {
+    return uint32_t(i) - key_begin < key_span ? i : -1;
+  }
 
   __device__ __forceinline__ int num_blocks() const { return (topk + kBlockTopk - 1) / kBlockTopk; }
 };
 
-// The slots of query row s of batch element b (indices laid out [B, S, T]).
+__device__ __forceinline__ int32_t clamp_to(int32_t x, int32_t lo, int32_t hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// The slots of query row s of batch element b (indices laid out [B, S, T];
+// row_ranges [B, S, 3] or nullptr).
 __device__ __forceinline__ RowSlots make_row_slots(const int32_t* indices, int b, int s, int s_q, int topk,
                                                    int num_keys, bool causal, const int32_t* q_start,
-                                                   int k_stride) {
+                                                   int k_stride, const int32_t* row_ranges) {
+  const int64_t row = int64_t(b) * s_q + s;
   RowSlots r;
-  r.indices = indices + (int64_t(b) * s_q + s) * topk;
+  r.indices = indices + row * topk;
+  if (row_ranges != nullptr) {
+    const int32_t* bounds = row_ranges + row * kRowRangeFields;
+    const int32_t begin = clamp_to(__ldg(bounds), 0, num_keys);
+    const int32_t end = clamp_to(__ldg(bounds + 1), begin, num_keys);
+    r.topk = clamp_to(__ldg(bounds + 2), 0, topk);
+    r.key_begin = uint32_t(begin);
+    r.key_span = uint32_t(end - begin);
+    return r;
+  }
   r.topk = topk;
   int64_t limit = num_keys;
   if (causal) {
@@ -47,7 +75,8 @@ __device__ __forceinline__ RowSlots make_row_slots(const int32_t* indices, int b
     const int64_t max_visible_key = floor_div(pos + 1 - k_stride, k_stride);
     limit = max_visible_key + 1 < limit ? max_visible_key + 1 : limit;
   }
-  r.key_limit = uint32_t(limit > 0 ? limit : 0);
+  r.key_begin = 0;
+  r.key_span = uint32_t(limit > 0 ? limit : 0);
   return r;
 }
 

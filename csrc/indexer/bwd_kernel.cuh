@@ -48,7 +48,7 @@ __device__ __forceinline__ float row_target_mass(typename Cfg::SharedMemoryPlan&
   const float* target_row = p.target + c.row * p.topk;
   float tau = 0.f;
 #pragma unroll 4
-  for (int t = thread_in_wg; t < p.topk; t += kWarpgroupThreads) {
+  for (int t = thread_in_wg; t < c.slots.topk; t += kWarpgroupThreads) {
     const float x = __ldg(target_row + t);
     if (c.slots.key_if_valid(c.slots.load(t)) >= 0 && x > 0.f) tau += x;
   }

@@ -110,7 +110,8 @@ __device__ __forceinline__ CtaProblem locate_cta(const IndexerProblemParams& p) 
   c.batch = blockIdx.x / p.s_q;
   c.row = int64_t(c.batch) * p.s_q + c.s;
   c.num_head_tiles = (p.h_idx + Cfg::HT - 1) / Cfg::HT;
-  c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride);
+  c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride,
+                           p.row_ranges);
   return c;
 }
 
@@ -135,9 +136,10 @@ __device__ __forceinline__ void prefetch_to_l2(const void* buffer, int64_t size,
 // in order, `resident` at a time), so that its first blocks start from L2.
 __device__ __forceinline__ void prefetch_row(const IndexerProblemParams& p, const CtaProblem& c, int resident) {
   const int64_t row_bytes = int64_t(p.topk) * 4;
+  const int64_t live_bytes = int64_t(c.slots.topk) * 4;  // slots past topk_length are never read
   const int64_t size = int64_t(p.batch) * p.s_q * row_bytes;
-  prefetch_to_l2(p.indices, size, c.row * row_bytes, (c.row + 1) * row_bytes);
-  prefetch_to_l2(p.target, size, c.row * row_bytes, (c.row + 1) * row_bytes);
+  prefetch_to_l2(p.indices, size, c.row * row_bytes, c.row * row_bytes + live_bytes);
+  prefetch_to_l2(p.target, size, c.row * row_bytes, c.row * row_bytes + live_bytes);
   prefetch_to_l2(p.indices, size, (c.row + resident) * row_bytes, (c.row + resident + 1) * row_bytes);
 }
 
