@@ -4,13 +4,19 @@
     compute-sanitizer --tool racecheck --kernel-name kns=indexer_fwd_kernel python tests/sanitizer_run.py indexer
     compute-sanitizer --tool racecheck --kernel-name kns=indexer_bwd_kernel python tests/sanitizer_run.py indexer_bwd
     compute-sanitizer --tool memcheck python tests/sanitizer_run.py indexer_bwd_det
+    compute-sanitizer --tool memcheck python tests/sanitizer_run.py packed
 
 attn_dist: partial T, partial H, both head tiles, both D, batched, all-invalid.
 indexer: every head-tile variant (16, 32, 64, 4 x 64), both DI, partial T,
 batched, all-invalid, T = 0. indexer_bwd: the backward kernel on the
 indexer cases it serves (HI <= 64) plus hot duplicated keys; indexer_bwd_det:
 the same cases in deterministic mode (its row-bound, main and conversion
-kernels). Exits non-zero if a result is wrong.
+kernels). packed: SPEC §6 on all three kernels (test_packed_gpu.py's
+checks): raw adversarial row ranges (out-of-range and inverted key ranges,
+lengths of 0, on block edges and past T) and packed calls with malformed
+cu_seqlens (decreasing, past S or N, int32 extremes), no sequences, and
+per-row topk_length (rows with no live block). Exits non-zero if a result
+is wrong.
 """
 
 import functools
@@ -43,18 +49,42 @@ INDEXER_BWD = [c for c in INDEXER if c.HI <= 64] + [
     indexer_cases.Case(S=16, HI=32, T=256, DI=64, N=4, causal=False, invalid_fraction=0.0, seed=8),  # hot duplicates
 ]
 
+class Named:
+    """A named check without arguments (the packed mode's test functions)."""
+
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+
+
+def packed_checks():
+    import test_packed_gpu as t
+    from test_packed import CASES
+
+    checks = [Named("raw-ranges-attn_dist", t.test_attn_dist_kernel_on_raw_row_ranges),
+              Named("raw-ranges-indexer", functools.partial(t.test_indexer_kernels_on_raw_row_ranges, False)),
+              Named("raw-ranges-indexer-det", functools.partial(t.test_indexer_kernels_on_raw_row_ranges, True))]
+    for case in CASES:
+        if case["name"] in ("bad-decreasing-q", "bad-k-past-N", "bad-extremes", "no-sequences", "topk-packed"):
+            checks.append(Named(f"attn_dist-{case['name']}",
+                                functools.partial(t.test_attn_dist_kernel_on_packed_inputs, case)))
+            checks.append(Named(f"indexer-{case['name']}",
+                                functools.partial(t.test_indexer_kernels_on_packed_inputs, case, False)))
+    return checks
+
+
 CHECKS = {
     "attn_dist": (ATTN_DIST, kernel_cases.check_case),
     "indexer": (INDEXER, indexer_cases.check_case),
     "indexer_bwd": (INDEXER_BWD, indexer_cases.check_bwd_case),
     "indexer_bwd_det": (INDEXER_BWD, functools.partial(indexer_cases.check_bwd_case, deterministic=True)),
+    "packed": (None, lambda named: named.fn()),
 }
 
 if __name__ == "__main__":
     which = sys.argv[1:] or list(CHECKS)
     for name in which:
         cases, check = CHECKS[name]
-        for case in cases:
+        for case in cases if cases is not None else packed_checks():
             check(case)
             print("ok", name, case.name, flush=True)
     sys.exit(0)

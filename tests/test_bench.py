@@ -45,3 +45,16 @@ def test_table_lists_every_row():
             dict(name="step-v32", kind="step", kernel_ms=4.0, xla_ms=25.7, speedup_vs_xla=6.4)]
     text = bench.table(dict(rows=rows))
     assert "idx-v32" in text and "step-v32" in text and "23.70" in text
+
+
+def test_packed_layout_keeps_every_slot_valid():
+    """The packed benchmark's layout: every slot valid under SPEC §6 (so the
+    packed and the unpacked calls do the same work), rows in 4 sequences."""
+    import jax.numpy as jnp
+
+    idx, cu_q, cu_k, qs = bench.packed_layout(64, 96, 40, num_seqs=4, seed=0)
+    assert idx.shape == (64, 1, 40) and idx.dtype == jnp.int32
+    valid = oracle.valid_mask(np.asarray(idx)[None], 96, causal=True, q_start_index=np.asarray(qs), k_stride=1,
+                              cu_seqlens_q=np.asarray(cu_q), cu_seqlens_k=np.asarray(cu_k))
+    assert valid.all()
+    assert list(np.asarray(cu_q)) == [0, 16, 32, 48, 64] and list(np.asarray(cu_k)) == [0, 24, 48, 72, 96]

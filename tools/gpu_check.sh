@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [sanitize] [sanitize-det] [ncu] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [sanitize] [sanitize-det] [sanitize-packed] [ncu] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 #
@@ -57,6 +57,8 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
                    --json "$OUT/bench.json" ;;
     bench-indexer) run bench python3 benchmarks/bench.py --shapes idx-v32 idx-v32-128k step-v32 \
                      --json "$OUT/bench.json" ;;
+    bench-packed) run bench-packed python3 benchmarks/bench.py --no-xla --shapes v32-h128 pack-v32-h128 \
+                    topk-half-v32-h128 pack-idx-v32 topk-half-idx-v32 --json "$OUT/bench_packed.json" ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
         for kernel in attn_dist indexer indexer_bwd; do
@@ -72,6 +74,15 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
       done
       run "sanitize-memcheck-indexer_bwd_det-all" compute-sanitizer --tool memcheck --error-exitcode 9 \
         python3 tests/sanitizer_run.py indexer_bwd_det ;;
+    sanitize-packed)  # SPEC §6 (row ranges, malformed cu_seqlens, topk_length) on all three kernels
+      run "sanitize-memcheck-packed" compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 tests/sanitizer_run.py packed
+      for tool in racecheck synccheck; do
+        for name in attn_dist_kernel indexer_fwd_kernel indexer_bwd_kernel; do
+          run "sanitize-$tool-packed-$name" compute-sanitizer --tool "$tool" --kernel-name "kns=$name" \
+            --error-exitcode 9 python3 tests/sanitizer_run.py packed
+        done
+      done ;;
     ncu)
       for shape in v32-h128 v32-h64 idx-v32; do
         run "ncu-$shape" ncu --kernel-name regex:"attn_dist_kernel|indexer_fwd_kernel|indexer_bwd_kernel" --launch-skip 2 \
