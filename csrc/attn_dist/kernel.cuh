@@ -212,8 +212,7 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
     const int32_t index0 = c.slots.load(t0);
     const int32_t index1 = c.slots.load(t0 + 8);
     qk_gemm_block<Cfg>(plan, mma, tA, tB, acc, consumer, block == consumer, pos, lane);
-    softmax_sum_store<Cfg>(acc, neg_lse, p, c, block, warp, lane, c.slots.key_if_valid(index0) >= 0,
-                           c.slots.key_if_valid(index1) >= 0);
+    softmax_sum_store<Cfg>(acc, neg_lse, p, c, block, warp, lane, c.slots.valid(index0), c.slots.valid(index1));
   }
   store_skipped_slots<Cfg>(p, c, num_blocks * kBlockTopk, consumer * kWarpgroupThreads + thread_in_wg);
 }

@@ -118,7 +118,10 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
   // which is row0 % 8 for all of this thread's rows.
   static_assert(kRowStep % 8 == 0, "each feeder's rows must share row % 8");
   const int smem_chunk_elems = (chunk ^ (row0 % 8)) * 8;
-  const bf16* chunk_base = keys + chunk * 8;
+  // Rows are addressed by their offset in the row's key range (zero-extended:
+  // an offset is valid only when below key_span, which is at most N).
+  const bf16* range_keys = keys + int64_t(slots.key_begin) * kDims;
+  const bf16* chunk_base = range_keys + chunk * 8;
   const int num_blocks = slots.num_blocks();
   RingPos<Ring::kStages> pos;
 
@@ -141,12 +144,15 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
   // registers (attn_dist: 8 rows, 9 tiles), so each tile forms its addresses.
   constexpr bool kRowPointers = kRows <= 4;
   for (int block = consumer; block < num_blocks; block += Ring::kConsumers) {
-    int32_t key[kRows];  // -1: zero-fill, read nothing
+    uint32_t offset[kRows];  // in the row's key range; 0 for an invalid slot, which reads nothing
+    bool valid[kRows];       // else zero-fill
     const bf16* row_src[kRowPointers ? kRows : 1];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      key[r] = slots.key_if_valid(ahead[0][r]);
-      if constexpr (kRowPointers) row_src[r] = chunk_base + uint64_t(uint32_t(key[r] >= 0 ? key[r] : 0)) * kDims;
+      offset[r] = slots.key_offset(ahead[0][r]);
+      valid[r] = offset[r] < slots.key_span;
+      offset[r] = valid[r] ? offset[r] : 0u;
+      if constexpr (kRowPointers) row_src[r] = chunk_base + uint64_t(offset[r]) * kDims;
     }
     CUTE_UNROLL
     for (int a = 0; a + 1 < kLookahead; ++a)
@@ -157,15 +163,15 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
     for (int dt = 0; dt < kDimTiles; ++dt) {
       cutlass::arch::ClusterBarrier::wait(&ring.empty[consumer][pos.stage], pos.phase ^ 1);
       bf16* stage = stages + pos.stage * Ring::kStageElems;
-      const bf16* k_tile = keys + dt * kDimTile + chunk * 8;
+      const bf16* k_tile = chunk_base + dt * kDimTile;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        // 64-bit row offset: key * kDims passes 2^31 for N > 3.7M at D = 576.
+        // 64-bit row offset: offset * kDims passes 2^31 for N > 3.7M at D = 576.
         const bf16* src = kRowPointers ? row_src[kRowPointers ? r : 0] + dt * kDimTile
-                                       : k_tile + int64_t(key[r] >= 0 ? key[r] : 0) * kDims;
+                                       : k_tile + uint64_t(offset[r]) * kDims;
         bf16* dst = stage + (row0 + kRowStep * r) * kDimTile + smem_chunk_elems;
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-            *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst), key[r] >= 0);
+            *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst), valid[r]);
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[consumer][pos.stage]);
       pos.advance();

@@ -37,10 +37,13 @@ struct RowSlots {
   // The raw index of slot t (any int32), or -1 past the live slots.
   __device__ __forceinline__ int32_t load(int t) const { return t < topk ? __ldg(indices + t) : -1; }
 
+  // The position of slot index i in the row's key range (any value when i
+  // is invalid): valid exactly when it is < key_span.
+  __device__ __forceinline__ uint32_t key_offset(int32_t i) const { return uint32_t(i) - key_begin; }
+  __device__ __forceinline__ bool valid(int32_t i) const { return key_offset(i) < key_span; }
+
   // The key of a slot index if it is valid, else -1.
-  __device__ __forceinline__ int32_t key_if_valid(int32_t i) const {
-    return uint32_t(i) - key_begin < key_span ? i : -1;
-  }
+  __device__ __forceinline__ int32_t key_if_valid(int32_t i) const { return valid(i) ? i : -1; }
 
   __device__ __forceinline__ int num_blocks() const { return (topk + kBlockTopk - 1) / kBlockTopk; }
 };

@@ -50,7 +50,7 @@ __device__ __forceinline__ float row_target_mass(typename Cfg::SharedMemoryPlan&
 #pragma unroll 4
   for (int t = thread_in_wg; t < c.slots.topk; t += kWarpgroupThreads) {
     const float x = __ldg(target_row + t);
-    if (c.slots.key_if_valid(c.slots.load(t)) >= 0 && x > 0.f) tau += x;
+    if (c.slots.valid(c.slots.load(t)) && x > 0.f) tau += x;
   }
   CUTE_UNROLL
   for (int mask = 16; mask >= 1; mask >>= 1) tau += __shfl_xor_sync(0xffffffffu, tau, mask);

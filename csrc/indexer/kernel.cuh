@@ -314,7 +314,7 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
     block_logits<Cfg>(plan, mma, tA, tB, acc, c, stage, lane, first_tile_weights, partial);
     release_block<Cfg>(plan, consumer, stage, lane);
     quad_sum(partial);
-    if (owner && c.slots.key_if_valid(index) >= 0) state.add(p.scale * (rh == 0 ? partial[0] : partial[1]), target);
+    if (owner && c.slots.valid(index)) state.add(p.scale * (rh == 0 ? partial[0] : partial[1]), target);
   }
   // Combine: the warp's 32 lanes by a fixed butterfly, then the consumer
   // warps in order by one thread.
