@@ -73,12 +73,15 @@ STEPS = ("step-v32",)
 # SPEC §6 against the same call without it, name: (op, variant). "packed": v32-h128 / idx-v32
 # as 4 sequences of 1024 rows (2048 keys each, causal per sequence), against the unpacked
 # call on the same indices (the same valid slots, so the same work and output); "topk-half":
-# topk_length = T / 2 on every row against full T.
+# topk_length = T / 2 on every row against full T; "topk-full": topk_length = T (the per-row
+# ranges without any saving: what computing, reading and applying them costs).
 PACKING = {
     "pack-v32-h128": ("attn_dist", "packed"),
     "topk-half-v32-h128": ("attn_dist", "topk-half"),
+    "topk-full-v32-h128": ("attn_dist", "topk-full"),
     "pack-idx-v32": ("indexer", "packed"),
     "topk-half-idx-v32": ("indexer", "topk-half"),
+    "topk-full-idx-v32": ("indexer", "topk-full"),
 }
 ALL = list(ATTN_SHAPES) + list(INDEXER_SHAPES) + list(STEPS) + list(PACKING)
 
@@ -347,8 +350,8 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
     """A SPEC §6 call against the same call without §6 (see PACKING). For
     attn_dist the forward; for the indexer its forward and backward (float32
     mode). ``ratio`` = variant / baseline; ``max_abs_diff`` compares the
-    outputs (packed: identical valid slots, so 0; topk-half: the first T / 2
-    slots, the rest must be 0)."""
+    outputs (packed: identical valid slots, so 0; topk-half/-full: the first
+    topk_length slots, the rest must be 0)."""
     import jax_attn_dist
     from jax_attn_dist import reference, synthetic
 
@@ -361,7 +364,7 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
     else:
         S, N, HI, T, DI = INDEXER_SHAPES["idx-v32"]
         row.update(S=S, N=N, HI=HI, T=T, DI=DI)
-    half = jnp.full((S,), T // 2, jnp.int32)
+    half = jnp.full((S,), T // 2 if variant == "topk-half" else T, jnp.int32)  # topk_length
 
     if op == "attn_dist":
         if variant == "packed":
@@ -380,6 +383,7 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
             var = jax.jit(lambda q, k, i, l, cq, ck, qs: jax_attn_dist.attn_dist(
                 q, k, i, l, causal=True, q_start_index=qs, cu_seqlens_q=cq, cu_seqlens_k=ck, **kw))
             diff = float(jnp.abs(base(*base_sets[0]) - var(*var_sets[0])).max())
+            row["ranges_ms"] = time_ranges_pass(var_sets, S=S, N=N, T=T, calls=calls, samples=samples)
         else:
             probs = [synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=seed) for seed in (0, 1)]
             kw = dict(probs[0].kwargs, implementation="cuda")
@@ -388,8 +392,9 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
             base = jax.jit(lambda q, k, i, l: jax_attn_dist.attn_dist(q, k, i, l, **kw))
             var = jax.jit(lambda q, k, i, l, n: jax_attn_dist.attn_dist(q, k, i, l, topk_length=n, **kw))
             full, part = base(*base_sets[0]), var(*var_sets[0])
-            assert not np.asarray(part[..., T // 2:]).any()
-            diff = float(jnp.abs(full[..., :T // 2] - part[..., :T // 2]).max())
+            n = int(half[0])
+            assert not np.asarray(part[..., n:]).any()
+            diff = float(jnp.abs(full[..., :n] - part[..., :n]).max())
         t_base, t_var = time_pair(base, var, base_sets, var_sets, calls=calls, samples=samples)
         row.update(baseline_ms=t_base * 1e3, kernel_ms=t_var * 1e3, ratio=t_var / t_base, max_abs_diff=diff,
                    kernel_extra_bytes=extra_memory_bytes(var, *var_sets[0]))
@@ -439,7 +444,21 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
                baseline_bwd_ms=tb_base * 1e3, kernel_bwd_ms=tb_var * 1e3, bwd_ratio=tb_var / tb_base)
     if variant == "packed":
         row["max_abs_diff"] = float(jnp.abs(kl_b - kl_v).max())
+        row["ranges_ms"] = time_ranges_pass([(*a, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["q_start_index"])
+                                             for a, kw in var_sets], S=S, N=N, T=T, calls=calls, samples=samples)
     return row
+
+
+def time_ranges_pass(var_sets, *, S, N, T, calls, samples):
+    """ms of the XLA pass alone that turns the §6 keywords into per-row
+    ranges (packing.row_ranges; the sets' last three entries: cu_seqlens_q,
+    cu_seqlens_k, q_start)."""
+    from jax_attn_dist import _contract, packing
+
+    f = jax.jit(lambda cq, ck, qs: packing.row_ranges(
+        _contract.Packing(cu_seqlens_q=cq, cu_seqlens_k=ck, q_start_index=qs), S=S, N=N, T=T, causal=True,
+        k_stride=1))
+    return time_calls(f, [a[-3:] for a in var_sets], calls=calls, samples=samples) * 1e3
 
 
 # ----------------------------------------------------------------------------

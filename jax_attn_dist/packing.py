@@ -15,8 +15,7 @@ one compare), the jnp paths through ``_chunks.in_row_ranges``.
 Finding each row's sequence under §6.3's malformed-boundary rule (a row
 belongs to ``b`` only if ``b`` is its only claimer and is well-formed) needs
 every boundary, so it is done here once for all rows rather than per row in
-a kernel: two difference arrays (claim count and claimer id) and a cumsum
-over S, O(S + num_seqs) work. Rows only ever see their own ranges, so
+a kernel (see :func:`row_sequences`). Rows only ever see their own ranges, so
 S-sharding, vmap (each example its own boundaries), gradients and export go
 through the primitives unchanged.
 
@@ -33,6 +32,12 @@ import jax.numpy as jnp
 
 from . import _contract
 from ._chunks import causal_parts
+
+
+#: Row-sequence pairs up to which row_sequences compares every row with every
+#: boundary in one fused kernel (e.g. S = 4096 rows with up to 1024 sequences);
+#: past it, difference arrays keep the work O(S + num_seqs).
+FUSED_CLAIMS = 1 << 22
 
 
 def _per_seq_q_start(q_start_index, num_seqs: int):
@@ -52,10 +57,13 @@ def row_sequences(cu_seqlens_q, cu_seqlens_k, *, S: int, N: int):
 
     Returns ``(ok [S] bool, owner [S] int32)``: ``ok[s]`` says whether row
     ``s`` belongs to a sequence, ``owner[s]`` is that sequence (0 where not
-    ``ok``). Each claim ``[lo, hi)`` (clipped to the rows) adds 1 to a count
-    and ``b`` to an id sum at ``lo`` and takes them off at ``hi``; a cumsum
-    gives every row its number of claimers and, where that is 1, the
-    claimer (int32 wrap-around cancels exactly)."""
+    ``ok``). Per row: the number of claimers and the sum of their ids, which
+    is the claimer where there is one (int32 wrap-around cancels exactly).
+    Up to :data:`FUSED_CLAIMS` row-sequence pairs they come from one fused
+    compare-and-reduce over ``[S, num_seqs]`` (one XLA kernel); beyond, from
+    difference arrays: each claim ``[lo, hi)`` adds 1 and ``b`` at ``lo`` and
+    takes them off at ``hi``, and a cumsum over the rows totals them (O(S +
+    num_seqs) work, a few kernels)."""
     cu_q = jnp.asarray(cu_seqlens_q).astype(jnp.int32)
     cu_k = jnp.asarray(cu_seqlens_k).astype(jnp.int32)
     num_seqs = int(cu_q.shape[0]) - 1
@@ -64,14 +72,20 @@ def row_sequences(cu_seqlens_q, cu_seqlens_k, *, S: int, N: int):
     lo, hi = cu_q[:-1], cu_q[1:]
     klo, khi = cu_k[:-1], cu_k[1:]
     well = (lo >= 0) & (lo <= hi) & (hi <= S) & (klo >= 0) & (klo <= khi) & (khi <= N)  # [num_seqs]
-    a, e = jnp.clip(lo, 0, S), jnp.clip(hi, 0, S)
-    claims = a < e
-    at = jnp.concatenate([jnp.where(claims, a, S), jnp.where(claims, e, S)])  # index S: past the rows
     b = jnp.arange(num_seqs, dtype=jnp.int32)
-    count_delta = jnp.concatenate([jnp.ones_like(b), -jnp.ones_like(b)])
-    id_delta = jnp.concatenate([b, -b])
-    count = jnp.cumsum(jnp.zeros((S + 1,), jnp.int32).at[at].add(count_delta)[:S], dtype=jnp.int32)
-    ids = jnp.cumsum(jnp.zeros((S + 1,), jnp.int32).at[at].add(id_delta)[:S], dtype=jnp.int32)
+    if S * num_seqs <= FUSED_CLAIMS:
+        s = jnp.arange(S, dtype=jnp.int32)[:, None]
+        claims = (lo[None, :] <= s) & (s < hi[None, :])                                # [S, num_seqs]
+        count = jnp.sum(claims, axis=1, dtype=jnp.int32)
+        ids = jnp.sum(jnp.where(claims, b[None, :], 0), axis=1, dtype=jnp.int32)
+    else:
+        a, e = jnp.clip(lo, 0, S), jnp.clip(hi, 0, S)
+        claims = a < e
+        at = jnp.concatenate([jnp.where(claims, a, S), jnp.where(claims, e, S)])  # index S: past the rows
+        count_delta = jnp.concatenate([jnp.ones_like(b), -jnp.ones_like(b)])
+        id_delta = jnp.concatenate([b, -b])
+        count = jnp.cumsum(jnp.zeros((S + 1,), jnp.int32).at[at].add(count_delta)[:S], dtype=jnp.int32)
+        ids = jnp.cumsum(jnp.zeros((S + 1,), jnp.int32).at[at].add(id_delta)[:S], dtype=jnp.int32)
     owner = jnp.clip(ids, 0, num_seqs - 1)  # the claimer where count == 1
     ok = (count == 1) & well[owner]
     return ok, jnp.where(ok, owner, 0)

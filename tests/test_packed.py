@@ -535,15 +535,18 @@ def _every_key(S, N, lead=()):
     return np.broadcast_to(np.arange(-2, N + 2, dtype=np.int32), lead + (S, 1, N + 4))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-claims", "difference-arrays"])
 @pytest.mark.parametrize("seed", range(8))
-def test_row_ranges_match_oracle_on_random_boundaries(seed):
+def test_row_ranges_match_oracle_on_random_boundaries(seed, fused, monkeypatch):
     """packing.row_ranges + _chunks.in_row_ranges (the rule every path
-    applies) equal the oracle's SPEC §6 validity slot by slot, on random
+    applies; the claimers found either way) equal the oracle's SPEC §6
+    validity slot by slot, on random
     boundaries (odd seeds malformed: decreasing, negative, past S or N,
     int32 extremes), random per-sequence starts (extremes included),
     k_stride 1..3, causal or not, and random topk_length."""
     from jax_attn_dist import _chunks, _contract, packing
 
+    monkeypatch.setattr(packing, "FUSED_CLAIMS", 1 << 30 if fused else 0)  # both ways to find the claimers
     rng = np.random.default_rng(seed_of("row-ranges-random", seed))
     S, N = 37, 45
     idx = _every_key(S, N)

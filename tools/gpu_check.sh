@@ -58,7 +58,8 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
     bench-indexer) run bench python3 benchmarks/bench.py --shapes idx-v32 idx-v32-128k step-v32 \
                      --json "$OUT/bench.json" ;;
     bench-packed) run bench-packed python3 benchmarks/bench.py --no-xla --shapes v32-h128 pack-v32-h128 \
-                    topk-half-v32-h128 pack-idx-v32 topk-half-idx-v32 --json "$OUT/bench_packed.json" ;;
+                    topk-half-v32-h128 topk-full-v32-h128 pack-idx-v32 topk-half-idx-v32 \
+                    topk-full-idx-v32 --json "$OUT/bench_packed.json" ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
         for kernel in attn_dist indexer indexer_bwd; do
