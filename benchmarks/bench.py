@@ -383,7 +383,6 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
             var = jax.jit(lambda q, k, i, l, cq, ck, qs: jax_attn_dist.attn_dist(
                 q, k, i, l, causal=True, q_start_index=qs, cu_seqlens_q=cq, cu_seqlens_k=ck, **kw))
             diff = float(jnp.abs(base(*base_sets[0]) - var(*var_sets[0])).max())
-            row["ranges_ms"] = time_ranges_pass(var_sets, S=S, N=N, T=T, calls=calls, samples=samples)
         else:
             probs = [synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=seed) for seed in (0, 1)]
             kw = dict(probs[0].kwargs, implementation="cuda")
@@ -444,21 +443,7 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
                baseline_bwd_ms=tb_base * 1e3, kernel_bwd_ms=tb_var * 1e3, bwd_ratio=tb_var / tb_base)
     if variant == "packed":
         row["max_abs_diff"] = float(jnp.abs(kl_b - kl_v).max())
-        row["ranges_ms"] = time_ranges_pass([(*a, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["q_start_index"])
-                                             for a, kw in var_sets], S=S, N=N, T=T, calls=calls, samples=samples)
     return row
-
-
-def time_ranges_pass(var_sets, *, S, N, T, calls, samples):
-    """ms of the XLA pass alone that turns the §6 keywords into per-row
-    ranges (packing.row_ranges; the sets' last three entries: cu_seqlens_q,
-    cu_seqlens_k, q_start)."""
-    from jax_attn_dist import _contract, packing
-
-    f = jax.jit(lambda cq, ck, qs: packing.row_ranges(
-        _contract.Packing(cu_seqlens_q=cq, cu_seqlens_k=ck, q_start_index=qs), S=S, N=N, T=T, causal=True,
-        k_stride=1))
-    return time_calls(f, [a[-3:] for a in var_sets], calls=calls, samples=samples) * 1e3
 
 
 # ----------------------------------------------------------------------------
