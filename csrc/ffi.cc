@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -68,19 +69,24 @@ bool OneOf(int64_t v, const int (&set)[N]) {
   return std::find(set, set + N, v) != set + N;
 }
 
-// SPEC §6's per-row ranges (common/slot_validity.cuh): int32 [B, S, 3], or
-// [B, S, 0] when the call has none (then the kernels apply SPEC §2's rule).
-// Their values need no check: the kernels clamp them.
-ffi::Error CheckRowRanges(const Checker& check, const ffi::Buffer<ffi::S32>& row_ranges, int64_t B, int64_t S,
+// SPEC §6's per-row ranges (common/slot_validity.cuh): an optional operand
+// (absent in calls exported before it existed), int32 [B, S, 3], or
+// [B, S, 0] for none; without ranges the kernels apply SPEC §2's rule. Their
+// values need no check: the kernels clamp them.
+using OptionalRanges = std::optional<ffi::Buffer<ffi::S32>>;
+
+ffi::Error CheckRowRanges(const Checker& check, const OptionalRanges& row_ranges, int64_t B, int64_t S,
                           const int32_t** ranges) {
-  const auto rd = row_ranges.dimensions();
+  *ranges = nullptr;
+  if (!row_ranges.has_value()) return ffi::Error::Success();
+  const auto rd = row_ranges->dimensions();
   const bool given = rd.size() == 3 && rd[2] == kRowRangeFields;
   if (!given) {
     if (auto e = check.Shape("row_ranges", rd, {B, S, 0}, "[B, S, 0] (none) or [B, S, 3]"); e.failure()) return e;
   } else if (auto e = check.Shape("row_ranges", rd, {B, S, kRowRangeFields}, "[B, S, 3]"); e.failure()) {
     return e;
   }
-  *ranges = given ? row_ranges.typed_data() : nullptr;
+  if (given) *ranges = row_ranges->typed_data();
   return ffi::Error::Success();
 }
 
@@ -90,7 +96,7 @@ ffi::Error CheckRowRanges(const Checker& check, const ffi::Buffer<ffi::S32>& row
 
 ffi::Error AttnDistFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
                        ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> q_start,
-                       ffi::Buffer<ffi::S32> row_ranges,
+                       OptionalRanges row_ranges,
                        ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, bool causal, int32_t k_stride,
                        bool lse_base_e) {
   const Checker check{target};
@@ -151,7 +157,7 @@ ffi::Error AttnDistFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi:
 
 ffi::Error AttnDistFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> q_start,
-                           ffi::Buffer<ffi::S32> row_ranges,
+                           OptionalRanges row_ranges,
                            ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, bool causal, int32_t k_stride,
                            bool lse_base_e) {
   return AttnDistFwd(kAttnDistTarget, stream, q, k, indices, lse, q_start, row_ranges, out, sm_scale, causal, k_stride,
@@ -185,7 +191,7 @@ struct IndexerDims {
 ffi::Error CheckIndexerOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& index_q,
                                 const ffi::Buffer<ffi::BF16>& index_k, const ffi::Buffer<ffi::F32>& weights,
                                 const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::F32>& target_dist,
-                                const ffi::Buffer<ffi::S32>& q_start, const ffi::Buffer<ffi::S32>& row_ranges,
+                                const ffi::Buffer<ffi::S32>& q_start, const OptionalRanges& row_ranges,
                                 float scale, int32_t k_stride, int64_t max_heads, IndexerDims* dims,
                                 const int32_t** ranges) {
   const auto qd = index_q.dimensions();
@@ -247,7 +253,7 @@ void FillIndexerProblem(IndexerProblemParams& p, const IndexerDims& d, const ffi
 ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q,
                       ffi::Buffer<ffi::BF16> index_k, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                       ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
-                      ffi::Buffer<ffi::S32> row_ranges,
+                      OptionalRanges row_ranges,
                       ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
                       bool causal, int32_t k_stride) {
   const Checker check{target};
@@ -274,27 +280,25 @@ ffi::Error IndexerFwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
 ffi::Error IndexerFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
                           ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                           ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
-                          ffi::Buffer<ffi::S32> row_ranges,
+                          OptionalRanges row_ranges,
                           ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
                           bool causal, int32_t k_stride) {
   return IndexerFwd(kIndexerFwdTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, row_ranges,
-                    kl, lse,
-                    scale, causal, k_stride);
+                    kl, lse, scale, causal, k_stride);
 }
 
 ffi::Error IndexerFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
                               ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                               ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
-                              ffi::Buffer<ffi::S32> row_ranges,
-                              ffi::Buffer<ffi::F32> kl_init, ffi::Buffer<ffi::F32> lse_init,
+                              ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::F32> kl_init,
+                              ffi::Buffer<ffi::F32> lse_init,
                               ffi::Result<ffi::Buffer<ffi::F32>> kl, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                               float scale, bool causal, int32_t k_stride) {
   if (kl_init.untyped_data() != kl->untyped_data() || lse_init.untyped_data() != lse->untyped_data())
     return Checker{kIndexerFwdPoisonedTarget}.Invalid(
         "kl_init and lse_init must be aliased to the outputs (input_output_aliases={7: 0, 8: 1})");
   return IndexerFwd(kIndexerFwdPoisonedTarget, stream, index_q, index_k, weights, indices, target_dist, q_start,
-                    row_ranges, kl,
-                    lse, scale, causal, k_stride);
+                    row_ranges, kl, lse, scale, causal, k_stride);
 }
 
 // ---------------------------------------------------------------------------
@@ -304,7 +308,7 @@ ffi::Error IndexerFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_
 ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q,
                       ffi::Buffer<ffi::BF16> index_k, ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                       ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
-                      ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::F32> lse,
+                      OptionalRanges row_ranges, ffi::Buffer<ffi::F32> lse,
                       ffi::Buffer<ffi::F32> g, ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
                       ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
                       ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale, bool causal, int32_t k_stride,
@@ -371,21 +375,20 @@ ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
 ffi::Error IndexerBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
                           ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                           ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
-                          ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::F32> lse,
-                          ffi::Buffer<ffi::F32> g, ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
+                          ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> g, OptionalRanges row_ranges,
+                          ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
                           ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::F32>> d_index_k,
                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale, bool causal, int32_t k_stride,
                           bool deterministic) {
   return IndexerBwd(kIndexerBwdTarget, stream, index_q, index_k, weights, indices, target_dist, q_start, row_ranges,
-                    lse, g,
-                    d_index_q, d_weights, d_index_k, workspace, scale, causal, k_stride, deterministic);
+                    lse, g, d_index_q, d_weights, d_index_k, workspace, scale, causal, k_stride, deterministic);
 }
 
 ffi::Error IndexerBwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
                               ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
                               ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
-                              ffi::Buffer<ffi::S32> row_ranges,
-                              ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::BF16> dq_init,
+                              ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::S32> row_ranges,
+                              ffi::Buffer<ffi::BF16> dq_init,
                               ffi::Buffer<ffi::F32> dw_init, ffi::Buffer<ffi::F32> dk_init,
                               ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
                               ffi::Result<ffi::Buffer<ffi::F32>> d_weights,
@@ -397,8 +400,8 @@ ffi::Error IndexerBwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_
     return Checker{kIndexerBwdPoisonedTarget}.Invalid(
         "dq_init, dw_init and dk_init must be aliased to the outputs (input_output_aliases={9: 0, 10: 1, 11: 2})");
   return IndexerBwd(kIndexerBwdPoisonedTarget, stream, index_q, index_k, weights, indices, target_dist, q_start,
-                    row_ranges, lse,
-                    g, d_index_q, d_weights, d_index_k, workspace, scale, causal, k_stride, deterministic);
+                    row_ranges, lse, g, d_index_q, d_weights, d_index_k, workspace, scale, causal, k_stride,
+                    deterministic);
 }
 
 // The operand lists, shared by each target and its poisoned twin.
@@ -409,8 +412,7 @@ auto AttnDistOperands() {
       .Arg<ffi::Buffer<ffi::BF16>>()   // k
       .Arg<ffi::Buffer<ffi::S32>>()    // indices
       .Arg<ffi::Buffer<ffi::F32>>()    // lse
-      .Arg<ffi::Buffer<ffi::S32>>()    // q_start
-      .Arg<ffi::Buffer<ffi::S32>>();   // row_ranges
+      .Arg<ffi::Buffer<ffi::S32>>();   // q_start
 }
 
 template <class Binding>
@@ -430,8 +432,7 @@ auto IndexerOperands() {
       .Arg<ffi::Buffer<ffi::F32>>()    // weights
       .Arg<ffi::Buffer<ffi::S32>>()    // indices
       .Arg<ffi::Buffer<ffi::F32>>()    // target
-      .Arg<ffi::Buffer<ffi::S32>>()    // q_start
-      .Arg<ffi::Buffer<ffi::S32>>();   // row_ranges
+      .Arg<ffi::Buffer<ffi::S32>>();   // q_start
 }
 
 template <class Binding>
@@ -463,23 +464,33 @@ auto IndexerBwdOperands() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAttnDistFwd, AttnDistFwdImpl, AttnDistResultsAndAttrs(AttnDistOperands()),
+// The main targets take SPEC §6's row ranges as an optional last operand, so
+// that calls exported before it existed (one operand fewer) still run; the
+// poisoned twins (tests only) take it in place, before their aliased inputs.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAttnDistFwd, AttnDistFwdImpl,
+                              AttnDistResultsAndAttrs(AttnDistOperands().OptionalArg<ffi::Buffer<ffi::S32>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAttnDistFwdInto, AttnDistFwdIntoImpl,
-                              AttnDistResultsAndAttrs(AttnDistOperands().Arg<ffi::Buffer<ffi::F32>>()),  // + out_init
+                              AttnDistResultsAndAttrs(AttnDistOperands()
+                                                          .Arg<ffi::Buffer<ffi::S32>>()    // row_ranges
+                                                          .Arg<ffi::Buffer<ffi::F32>>()),  // out_init
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerFwd, IndexerFwdImpl, IndexerResultsAndAttrs(IndexerOperands()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerFwd, IndexerFwdImpl,
+                              IndexerResultsAndAttrs(IndexerOperands().OptionalArg<ffi::Buffer<ffi::S32>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerFwdInto, IndexerFwdIntoImpl,
                               IndexerResultsAndAttrs(IndexerOperands()
+                                                         .Arg<ffi::Buffer<ffi::S32>>()    // row_ranges
                                                          .Arg<ffi::Buffer<ffi::F32>>()    // kl_init
                                                          .Arg<ffi::Buffer<ffi::F32>>()),  // lse_init
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwd, IndexerBwdImpl, IndexerBwdResultsAndAttrs(IndexerBwdOperands()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwd, IndexerBwdImpl,
+                              IndexerBwdResultsAndAttrs(IndexerBwdOperands().OptionalArg<ffi::Buffer<ffi::S32>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwdInto, IndexerBwdIntoImpl,
                               IndexerBwdResultsAndAttrs(IndexerBwdOperands()
+                                                            .Arg<ffi::Buffer<ffi::S32>>()    // row_ranges
                                                             .Arg<ffi::Buffer<ffi::BF16>>()   // dq_init
                                                             .Arg<ffi::Buffer<ffi::F32>>()    // dw_init
                                                             .Arg<ffi::Buffer<ffi::F32>>()),  // dk_init

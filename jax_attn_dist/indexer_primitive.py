@@ -72,8 +72,8 @@ def _ffi_forward(index_q, index_k, weights, indices, target, q_start, row_ranges
 def _ffi_backward(index_q, index_k, weights, indices, target, q_start, row_ranges, lse, g, *, scale, causal,
                   k_stride, deterministic, implementation):
     """The SM90 backward kernels through XLA's FFI (csrc/ffi.cc): the
-    forward's operands (row_ranges included) plus Buffer<F32> lse [B,S] and
-    Buffer<F32> g [B,S];
+    forward's operands up to q_start, Buffer<F32> lse [B,S], Buffer<F32> g
+    [B,S], then row_ranges (the handler's optional last operand);
     attrs as the forward's plus deterministic bool; results Buffer<BF16>
     d index_q [B,S,HI,DI], Buffer<F32> d weights [B,S,HI], Buffer<F32>
     d index_k [B,N,DI] (cast here) and Buffer<U8> workspace (the
@@ -86,8 +86,8 @@ def _ffi_backward(index_q, index_k, weights, indices, target, q_start, row_range
         jax.ShapeDtypeStruct(weights.shape, jnp.float32),
         jax.ShapeDtypeStruct(index_k.shape, jnp.float32),
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),
-    ))(index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, row_ranges, lse,
-       g.astype(jnp.float32),
+    ))(index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, lse, g.astype(jnp.float32),
+       row_ranges,
        scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),
        deterministic=bool(deterministic))
     return dq, dk.astype(index_k.dtype), dw.astype(weights.dtype)

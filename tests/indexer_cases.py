@@ -161,7 +161,7 @@ def poisoned_bwd_call(index_q, index_k, weights, indices, target, q_start, lse, 
     poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in shapes]
     call = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD_POISONED, (*shapes, workspace),
                             input_output_aliases={9: 0, 10: 1, 11: 2})
-    return call(index_q, index_k, weights, indices, target, q_start, row_ranges, lse, g, *poison,
+    return call(index_q, index_k, weights, indices, target, q_start, lse, g, row_ranges, *poison,
                 scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),
                 deterministic=bool(deterministic))[:3]
 

@@ -60,9 +60,13 @@ def packed_checks():
     import test_packed_gpu as t
     from test_packed import CASES
 
-    checks = [Named("raw-ranges-attn_dist", t.test_attn_dist_kernel_on_raw_row_ranges),
-              Named("raw-ranges-indexer", functools.partial(t.test_indexer_kernels_on_raw_row_ranges, False)),
-              Named("raw-ranges-indexer-det", functools.partial(t.test_indexer_kernels_on_raw_row_ranges, True))]
+    checks = [Named("raw-ranges-attn_dist-h64", functools.partial(t.test_attn_dist_kernel_on_raw_row_ranges, 64, 576)),
+              Named("raw-ranges-attn_dist-h130-d512",
+                    functools.partial(t.test_attn_dist_kernel_on_raw_row_ranges, 130, 512)),
+              Named("raw-ranges-indexer", functools.partial(t.test_indexer_kernels_on_raw_row_ranges, False, 64, 128)),
+              Named("raw-ranges-indexer-det-h16",
+                    functools.partial(t.test_indexer_kernels_on_raw_row_ranges, True, 16, 64)),
+              Named("no-row-ranges", t.test_calls_without_row_ranges_still_run)]
     for case in CASES:
         if case["name"] in ("bad-decreasing-q", "bad-k-past-N", "bad-extremes", "no-sequences", "topk-packed"):
             checks.append(Named(f"attn_dist-{case['name']}",

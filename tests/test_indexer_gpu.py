@@ -252,9 +252,8 @@ def test_ffi_handler_returns_clear_errors(name):
 def _raw_bwd_ffi(HI=64, g_rows=4, deterministic=False, workspace=None):
     dt = dict(index_q=((1, 4, HI, 128), jnp.bfloat16), index_k=((1, 32, 128), jnp.bfloat16),
               weights=((1, 4, HI), jnp.float32), indices=((1, 4, 1, 64), jnp.int32),
-              target=((1, 4, 64), jnp.float32), q_start=((1,), jnp.int32), row_ranges=((1, 4, 0), jnp.int32),
-              lse=((1, 4), jnp.float32),
-              g=((1, g_rows), jnp.float32))
+              target=((1, 4, 64), jnp.float32), q_start=((1,), jnp.int32), lse=((1, 4), jnp.float32),
+              g=((1, g_rows), jnp.float32))  # no row_ranges: the optional operand left out
     args = [jnp.zeros(shape, d) for shape, d in dt.values()]
     if workspace is None:
         workspace = 8 * (32 * 128 + 1) if deterministic else 0

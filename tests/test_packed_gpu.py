@@ -122,12 +122,15 @@ def adversarial_indices(rng, B, S, T, N):
     return idx.astype(np.int32)
 
 
-def test_attn_dist_kernel_on_raw_row_ranges():
+@pytest.mark.parametrize("H,D", [(64, 576), (128, 576), (130, 512)])
+def test_attn_dist_kernel_on_raw_row_ranges(H, D):
     """attn_dist's kernel on adversarial row ranges (with causal=True and a
     random q_start, which the ranges replace) into a NaN-poisoned output:
-    every element written, the skipped blocks 0, the rest within SPEC §3."""
-    rng = np.random.default_rng(seed_of("raw-ranges-attn"))
-    B, S, H, D, N, T = 2, 48, 64, 576, 300, 200
+    every element written, the skipped blocks 0, the rest within SPEC §3.
+    H = 64 and 128 are the two head tiles (128: two groups per tile); 130
+    adds a partial group in a second tile."""
+    rng = np.random.default_rng(seed_of("raw-ranges-attn", H, D))
+    B, S, N, T = 2, 48, 300, 200
     q = jnp.asarray(rng.standard_normal((B, S, H, D)).astype(np.float32), BF16)
     k = jnp.asarray(rng.standard_normal((B, N, 1, D)).astype(np.float32), BF16)
     idx = adversarial_indices(rng, B, S, T, N)
@@ -146,14 +149,15 @@ def test_attn_dist_kernel_on_raw_row_ranges():
         assert np.all(got[b, :, s, live[b, s]:] == 0)
 
 
+@pytest.mark.parametrize("HI,DI", [(64, 128), (16, 64)])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_indexer_kernels_on_raw_row_ranges(deterministic):
+def test_indexer_kernels_on_raw_row_ranges(deterministic, HI, DI):
     """The indexer's forward and backward kernels on adversarial row ranges
     (causal=True and q_start replaced by them) into poisoned outputs."""
-    rng = np.random.default_rng(seed_of("raw-ranges-indexer"))
-    B, S, HI, DI, N, T = 2, 40, 64, 128, 300, 200
-    iq, ik, w, _, tgt, kw = make_indexer_inputs(seed_of("raw-ranges-indexer"), B=B, S=S, HI=HI, DI=DI, N=N, T=T,
-                                                dtype=BF16, zero_rows=0.1)
+    rng = np.random.default_rng(seed_of("raw-ranges-indexer", HI, DI))
+    B, S, N, T = 2, 40, 300, 200
+    iq, ik, w, _, tgt, kw = make_indexer_inputs(seed_of("raw-ranges-indexer", HI, DI), B=B, S=S, HI=HI, DI=DI, N=N,
+                                                T=T, dtype=BF16, zero_rows=0.1)
     idx = adversarial_indices(rng, B, S, T, N)
     ranges = adversarial_row_ranges(rng, B, S, N, T)
     masked = np.where(ranges_mask(idx, ranges, N), idx, -1)
@@ -182,3 +186,45 @@ def test_indexer_kernels_on_raw_row_ranges(deterministic):
         bound = BWD_TOLERANCE * mag + amb + 1e-6 * np.abs(ref).max()
         err = np.abs(a - ref)
         assert np.all(err <= bound), f"{name}: max excess {np.max(err - bound):.3e}"
+
+
+def test_calls_without_row_ranges_still_run():
+    """The three main FFI targets take row_ranges as an optional last operand:
+    a call with the operand list of before SPEC §6 (as a jax.export blob
+    from then holds) gives the same bits as one with empty ranges."""
+    rng = np.random.default_rng(seed_of("no-row-ranges"))
+    B, S, H, D, N, T = 1, 16, 64, 576, 200, 96
+    q = jnp.asarray(rng.standard_normal((B, S, H, D)).astype(np.float32), BF16)
+    k = jnp.asarray(rng.standard_normal((B, N, 1, D)).astype(np.float32), BF16)
+    idx = jnp.asarray(adversarial_indices(rng, B, S, T, N))
+    lse = jnp.asarray(rng.uniform(3, 6, (B, S, H)).astype(np.float32))
+    qs = jnp.asarray([150], jnp.int32)
+    none = _contract.no_row_ranges(B, S)
+    attrs = dict(sm_scale=np.float32(0.05), causal=True, k_stride=np.int32(1), lse_base_e=False)
+    out = jax.ShapeDtypeStruct((B, 1, S, T), jnp.float32)
+    call = jax.ffi.ffi_call(_contract.FFI_TARGET, out)
+    old = jax.jit(lambda *a: call(*a, **attrs))(q, k, idx, lse, qs)
+    new = jax.jit(lambda *a: call(*a, **attrs))(q, k, idx, lse, qs, none)
+    assert np.asarray(old).tobytes() == np.asarray(new).tobytes() and np.abs(np.asarray(old)).max() > 0
+
+    iq, ik, w, _, tgt, kw = make_indexer_inputs(seed_of("no-row-ranges-ix"), B=B, S=S, HI=64, DI=128, N=N, T=T,
+                                                dtype=BF16)
+    attrs = dict(scale=np.float32(kw["scale"]), causal=True, k_stride=np.int32(1))
+    row = jax.ShapeDtypeStruct((B, S), jnp.float32)
+    fwd = jax.ffi.ffi_call(_contract.FFI_INDEXER_FWD, (row, row))
+    operands = (iq, ik, w.astype(jnp.float32), idx, tgt, qs)
+    kl_old, lse_old = jax.jit(lambda *a: fwd(*a, **attrs))(*operands)
+    kl_new, lse_new = jax.jit(lambda *a: fwd(*a, **attrs))(*operands, none)
+    assert np.asarray(kl_old).tobytes() == np.asarray(kl_new).tobytes()
+    assert np.asarray(lse_old).tobytes() == np.asarray(lse_new).tobytes()
+
+    outs = (jax.ShapeDtypeStruct(iq.shape, jnp.bfloat16), jax.ShapeDtypeStruct(w.shape, jnp.float32),
+            jax.ShapeDtypeStruct(ik.shape, jnp.float32), jax.ShapeDtypeStruct((0,), jnp.uint8))
+    bwd = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD, outs)
+    g = jnp.ones((B, S), jnp.float32)
+    grads_old = jax.jit(lambda *a: bwd(*a, deterministic=False, **attrs))(*operands, lse_old, g)
+    grads_new = jax.jit(lambda *a: bwd(*a, deterministic=False, **attrs))(*operands, lse_old, g, none)
+    for a, b in zip(grads_old[:2], grads_new[:2]):  # d index_q, d weights: one writer each
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    np.testing.assert_allclose(np.asarray(grads_old[2]), np.asarray(grads_new[2]), rtol=1e-5,
+                               atol=1e-6 * float(np.abs(np.asarray(grads_old[2])).max()))

@@ -65,7 +65,9 @@ __device__ __forceinline__ RowSlots make_row_slots(const int32_t* indices, int b
     const int32_t begin = clamp_to(__ldg(bounds), 0, num_keys);
     const int32_t end = clamp_to(__ldg(bounds + 1), begin, num_keys);
     r.topk = clamp_to(__ldg(bounds + 2), 0, topk);
-    r.key_begin = uint32_t(begin);
+    // An empty range starts at 0, so that the gather's dummy source row
+    // (offset 0, never read) stays inside the key array.
+    r.key_begin = uint32_t(end > begin ? begin : 0);
     r.key_span = uint32_t(end - begin);
     return r;
   }
