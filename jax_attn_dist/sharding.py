@@ -21,8 +21,10 @@ array of batch element b. So:
   kernels compute every row independently, so sharded results equal the
   unsharded ones bit for bit.
 * SPEC §6's per-row ranges (``row_ranges`` [B, S, 3], or [B, S, 0]) are
-  sharded with their rows and need no offset: they hold absolute key
-  positions and each row's own length.
+  sharded with their rows: their key ranges are absolute positions and
+  need no offset; their ``topk_length`` counts the row's slots from 0, so a
+  shard holding slots ``j*T_local ..`` (attn_dist with T sharded) gets it
+  less ``j*T_local`` (``Decision.localize``).
 * key arrays (``k``, ``index_k``) are replicated: all-gathered if they arrive
   sharded over N or D (any query may select any key).
 * attn_dist: ``t`` (indices' T) may be sharded, and ``h`` in whole groups of
@@ -163,6 +165,13 @@ class Decision:
     def named(self, *entries):
         return NamedSharding(self.mesh, P(*(_entry(e) for e in entries)))
 
+    def localize(self, operands, op: "OpPartitioning"):
+        """Per-shard operands (a list, changed in place): what is counted
+        from the start of a sharded dimension moves by the shard's offset.
+        Here ``q_start``, by the shard's first row when S is sharded."""
+        i = op.q_start_operand
+        operands[i] = shard_offset(operands[i], self.s, self.s_local)
+
     def finish(self, outs):
         """Per-shard post-processing of the inner primitive's results."""
         return outs
@@ -184,6 +193,7 @@ class AttnDistDecision(Decision):
         i_spec = _spec(shardings[2], mesh, 4)
         self.h = self.take(q_spec[2], H // HEADS_PER_GROUP) if heads_shardable(H, HK) else ()
         self.t = self.take(i_spec[3], shapes[2][3])
+        self.t_local = shapes[2][3] // _size(mesh, self.t)
 
     @property
     def arg_shardings(self):
@@ -196,6 +206,15 @@ class AttnDistDecision(Decision):
             self.named(b),                # q_start
             self.named(b, s, ()),         # row_ranges
         )
+
+    def localize(self, operands, op):
+        super().localize(operands, op)
+        ranges = operands[op.row_ranges_operand]
+        if self.t and ranges.shape[-1]:
+            # topk_length counts from the row's first slot; this shard's
+            # first is j * T_local. (It is in [0, T]: no overflow.)
+            first = (jax.lax.axis_index(self.t) * self.t_local).astype(jnp.int32)
+            operands[op.row_ranges_operand] = ranges.at[..., 2].add(-first)
 
     @property
     def out_shardings(self):
@@ -314,22 +333,24 @@ def indexer_bwd_rule(*static_and_mesh_and_types):
 @dataclasses.dataclass(frozen=True)
 class OpPartitioning:
     """How one logical primitive partitions: its operand count, the names of
-    its static parameters (in bind order, after the operands), the position
-    of its ``q_start`` operand, its Shardy rule and its Decision class."""
+    its static parameters (in bind order, after the operands), the positions
+    of its ``q_start`` and ``row_ranges`` operands, its Shardy rule and its
+    Decision class."""
 
     num_operands: int
     param_names: Tuple[str, ...]
     q_start_operand: int
+    row_ranges_operand: int
     rule: Callable
     decision: type
     multiple_results: bool
 
 
-ATTN_DIST = OpPartitioning(6, ("sm_scale", "causal", "k_stride", "lse_base", "implementation"), 4,
+ATTN_DIST = OpPartitioning(6, ("sm_scale", "causal", "k_stride", "lse_base", "implementation"), 4, 5,
                            attn_dist_rule, AttnDistDecision, False)
 _INDEXER_PARAMS = ("scale", "causal", "k_stride", "deterministic", "implementation")
-INDEXER_FWD = OpPartitioning(7, _INDEXER_PARAMS, 5, indexer_rule, IndexerDecision, True)
-INDEXER_BWD = OpPartitioning(9, _INDEXER_PARAMS, 5, indexer_bwd_rule, IndexerBwdDecision, True)
+INDEXER_FWD = OpPartitioning(7, _INDEXER_PARAMS, 5, 6, indexer_rule, IndexerDecision, True)
+INDEXER_BWD = OpPartitioning(9, _INDEXER_PARAMS, 5, 6, indexer_bwd_rule, IndexerBwdDecision, True)
 
 
 def shard_offset(q_start, s_axes: Tuple[str, ...], s_local: int):
@@ -359,7 +380,7 @@ def partitioned_lowering(inner_p, op: OpPartitioning):
 
         def per_shard(*operands):
             operands = list(operands)
-            operands[op.q_start_operand] = shard_offset(operands[op.q_start_operand], decision.s, decision.s_local)
+            decision.localize(operands, op)
             return decision.finish(bind(*operands, *static))
 
         return mesh, per_shard, out_shardings(decision), decision.arg_shardings

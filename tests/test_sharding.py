@@ -21,7 +21,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_attn_dist import attn_dist
-from jax_attn_dist import primitive as primitive_mod
 from inputs import make_inputs, seed_of
 
 AUTO = jax.sharding.AxisType.Auto
@@ -356,12 +355,6 @@ def test_shard_map_over_some_axes_only():
 _KERNEL_CALL = re.compile(r"stablehlo\.custom_call @jax_attn_dist_fwd\(.*:\s*\((.*)\)\s*->\s*(tensor<[^>]*>)")
 
 
-@pytest.fixture
-def _cross_lowering(monkeypatch):
-    """Lower for CUDA as a CPU-only process does (see test_api.py)."""
-    monkeypatch.setattr(primitive_mod, "_local_cuda_backend", lambda: False)
-
-
 def _kernel_specs(B=2, S=64, H=128, T=32, N=100, D=576):
     SDS = jax.ShapeDtypeStruct
     return (
@@ -374,7 +367,7 @@ def _kernel_fn(q, k, i, l, s):
     return attn_dist(q, k, i, l, sm_scale=0.1, q_start_index=s)
 
 
-def test_cuda_lowering_shard_map_has_per_shard_kernel_call(_cross_lowering):
+def test_cuda_lowering_shard_map_has_per_shard_kernel_call(cross_lowering):
     mesh = make_mesh(*XY24)
     f = jax.shard_map(
         lambda q, k, i, l, s: _kernel_fn(q, k, i, l, s + jax.lax.axis_index("y") * 16),
@@ -388,7 +381,7 @@ def test_cuda_lowering_shard_map_has_per_shard_kernel_call(_cross_lowering):
     assert calls[0].group(2) == "tensor<2x1x16x32xf32>"
 
 
-def test_cuda_lowering_of_jit_sharding_partitions_to_kernel_calls(_cross_lowering):
+def test_cuda_lowering_of_jit_sharding_partitions_to_kernel_calls(cross_lowering):
     """A jit-sharded call lowered for CUDA holds jax's CustomSPMDPartitioning
     op with our Shardy rule; XLA's partitioner (at compile time, which needs
     a CUDA backend) calls our partition callback. We call that callback as
@@ -436,7 +429,7 @@ def test_cuda_lowering_of_jit_sharding_partitions_to_kernel_calls(_cross_lowerin
     assert out_hlo == out_sh._to_xla_hlo_sharding(4)
 
 
-def test_cuda_lowering_one_device_unchanged(_cross_lowering):
+def test_cuda_lowering_one_device_unchanged(cross_lowering):
     """Without a multi-device sharding the kernel call is emitted directly."""
     text = jax.jit(_kernel_fn).trace(*_kernel_specs()).lower(lowering_platforms=("cuda",)).as_text()
     assert "CustomSPMDPartitioning" not in text
@@ -456,3 +449,32 @@ def test_private_sharding_api_missing_gathers_and_warns(monkeypatch):
     with pytest.warns(RuntimeWarning, match="cannot read operand shardings"):
         ref, out, hlo, _, _ = run_case(c)
     assert_same(out, ref)
+
+
+@pytest.mark.parametrize("mesh_def,specs", [
+    (X8, dict(q=P(), indices=P(None, None, None, "x"))),                       # T over 8 shards
+    (XY42, dict(q=P(None, "x"), indices=P(None, "x", None, "y"))),             # S and T
+])
+def test_topk_length_with_t_sharded(mesh_def, specs):
+    """SPEC §6.1 with attn_dist's T sharded: topk_length counts a row's slots
+    from its first, so each T-shard sees it less its own first slot
+    (Decision.localize). Sharded equals unsharded, and the slots past each
+    row's length are 0."""
+    mesh = make_mesh(*mesh_def)
+    B, S, H, T = 2, 16, 4, 32
+    q, k, idx, lse, kw = make_inputs(seed_of("t-sharded-topk", mesh_def), B=B, S=S, H=H, D=D, N=N, T=T,
+                                     dtype=jnp.float32, q_start_index=N - S)
+    rng = np.random.default_rng(seed_of("t-sharded-topk-lengths"))
+    length = rng.integers(-3, T + 4, (B, S)).astype(np.int32)
+    length[0, :4] = [0, 5, 17, T]  # shard edges of T / 8 = 4 and T / 2 = 16
+    args = tuple(np.asarray(x) for x in (q, k, idx, lse)) + (length,)
+    f = lambda q, k, i, l, n: attn_dist(q, k, i, l, topk_length=n, **kw)  # noqa: E731
+    ref = unsharded(f, *args)
+    in_sh = tuple(NamedSharding(mesh, s) for s in (specs["q"], P(), specs["indices"], P(*tuple(specs["q"])[:3]),
+                                                    P(*tuple(specs["q"])[:2])))
+    out = np.asarray(jax.jit(f, in_shardings=in_sh)(*args))
+    assert_same(out, ref)
+    live = np.clip(length, 0, T)
+    for b in range(B):
+        for s in range(S):
+            assert not out[b, :, s, live[b, s]:].any()
