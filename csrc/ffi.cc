@@ -81,11 +81,10 @@ ffi::Error CheckRowRanges(const Checker& check, const OptionalRanges& row_ranges
   if (!row_ranges.has_value()) return ffi::Error::Success();
   const auto rd = row_ranges->dimensions();
   const bool given = rd.size() == 3 && rd[2] == kRowRangeFields;
-  if (!given) {
-    if (auto e = check.Shape("row_ranges", rd, {B, S, 0}, "[B, S, 0] (none) or [B, S, 3]"); e.failure()) return e;
-  } else if (auto e = check.Shape("row_ranges", rd, {B, S, kRowRangeFields}, "[B, S, 3]"); e.failure()) {
+  if (auto e = check.Shape("row_ranges", rd, {B, S, given ? kRowRangeFields : 0},
+                           given ? "[B, S, 3]" : "[B, S, 0] (none) or [B, S, 3]");
+      e.failure())
     return e;
-  }
   if (given) *ranges = row_ranges->typed_data();
   return ffi::Error::Success();
 }
@@ -333,7 +332,7 @@ ffi::Error IndexerBwd(const char* target, cudaStream_t stream, ffi::Buffer<ffi::
   // float32 mode uses none.
   const int64_t dk_elems = B * N * DI;
   const int64_t want_ws = deterministic ? (dk_elems + 1) * int64_t(sizeof(int64_t)) : 0;
-  if (workspace->element_count() != want_ws)
+  if (int64_t(workspace->element_count()) != want_ws)
     return check.Invalid("workspace must be uint8 [" + std::to_string(want_ws) + "] (" +
                          (deterministic ? "8 * (B * N * DI + 1) for deterministic=True"
                                         : "empty for deterministic=False") +

@@ -44,6 +44,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "host_devices(n): needs n host CPU devices (fails otherwise)")
 
 
+@pytest.fixture
+def cross_lowering(monkeypatch):
+    """Lower for CUDA as a CPU-only process does (e.g. to export): pretend
+    there is no local CUDA backend, so that a GPU machine without the built
+    extension behaves like this one."""
+    from jax_attn_dist import primitive
+
+    monkeypatch.setattr(primitive, "_local_cuda_backend", lambda: False)
+
+
 def gpu_unavailable_reason(n: int, required: bool):
     """None when n CUDA GPUs are visible and the kernel is registered, else why
     not. ``required``: an extension problem (registration error, stale build)

@@ -25,7 +25,6 @@ from jax_attn_dist import (
     indexer_kl_reference,
     indexer_loss,
     oracle,
-    primitive,
     synthetic,
 )
 from jax_attn_dist._chunks import sorted_segment_scatter_add
@@ -117,7 +116,7 @@ def test_chunk_loop(chunk):
                                                   q_start_index="batch", dtype=F32)
     qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
     params = dict(scale=kw["scale"], causal=kw["causal"], k_stride=kw["k_stride"])
-    none = jnp.zeros((2, 9, 0), jnp.int32)
+    none = _contract.no_row_ranges(2, 9)
     whole = indexer_reference_canonical(iq, ik, w, idx, tgt, qs, none, **params)
     part = jax.jit(lambda *a: indexer_reference_canonical(*a, chunk=chunk, **params))(iq, ik, w, idx, tgt, qs, none)
     for a, b in zip(part, whole):
@@ -353,12 +352,6 @@ def test_indexer_loss_bad_inputs_name_indexer_loss():
 # ----------------------------------------------------------------------------
 # the CUDA lowering (no GPU needed) and export
 # ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cross_lowering(monkeypatch):
-    """Lower for CUDA as a CPU-only process does (e.g. to export)."""
-    monkeypatch.setattr(primitive, "_local_cuda_backend", lambda: False)
 
 
 def _lower(fn, args, platform):

@@ -312,7 +312,7 @@ def test_vmap_gives_each_example_its_own_boundaries():
         pkv = dict(cu_seqlens_q=np.asarray(cq[v]), cu_seqlens_k=np.asarray(ck[v]))
         oracle.assert_indexer_close(got[v], oracle.indexer_kl_oracle(*(x[v] for x in stack), **rule,
                                                                      q_start_index=np.asarray(qs[v]), **pkv))
-    # attn_dist under vmap too, and gradients under vmap
+    # gradients under vmap
     gv = jax.jit(jax.vmap(jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))))(*stack, qs, cq, ck)
     for v in range(V):
         gl = jax.grad(lambda *a: f(*a, stack[3][v], stack[4][v], qs[v], cq[v], ck[v]).sum(), argnums=(0, 1, 2))(
@@ -599,7 +599,7 @@ def test_row_ranges_topk_alone_batched(q_start):
             np.testing.assert_array_equal(got, want, err_msg=f"causal={causal} k_stride={ks}")
 
 
-def test_cuda_lowering_passes_row_ranges_to_the_kernels():
+def test_cuda_lowering_passes_row_ranges_to_the_kernels(cross_lowering):
     """On CUDA, a packed call hands its per-row ranges [1, S, 3] to the
     kernels' custom calls (forward and backward); the indices reach them
     unmasked (no [S, T] select before the call)."""
