@@ -138,6 +138,25 @@ def in_row_ranges(idx, ranges, *, N: int):
             & (j[None, None, :] < length[:, None, None]))
 
 
+def causal_steps(offset, qr, *, k_stride: int):
+    """``t = floor((qr + offset + 1) / ks)`` formed in uint32 (``qr + offset
+    + 1 < 2**32``; ``qr`` from :func:`causal_parts`, ``offset`` in ``[0,
+    2^31)``): a query at ``q0 + offset`` (``q0 = ks*qq + qr``) sees the key
+    positions ``i <= qq + t - 1``, i.e. ``qq + t`` of them from 0."""
+    return ((qr.astype(jnp.uint32) + offset.astype(jnp.uint32) + jnp.uint32(1))
+            // jnp.uint32(k_stride)).astype(jnp.int32)
+
+
+def visible_keys(offset, qq, qr, span, *, k_stride: int):
+    """``clamp(qq + t, 0, span)`` with ``t`` from :func:`causal_steps`: how
+    many of a range's first ``span`` keys (``span`` in ``[0, 2^31)``) the
+    causal rule lets the query at ``q0 + offset`` see. Exact for every int32
+    ``q0``, without overflow: ``clamp(qq + t, 0, span) = min(max(qq, -t),
+    span - t) + t``."""
+    t = causal_steps(offset, qr, k_stride=k_stride)
+    return jnp.minimum(jnp.maximum(qq, -t), span - t) + t
+
+
 def causal_visible(i, offset, qq, qr, *, k_stride: int):
     """The causal rule ``i <= floor((q0 + offset + 1 - ks) / ks)`` for key
     positions ``i`` [C, HK, T] (in [-2^31, 2^31 - N]) of rows at ``offset`` [C]
@@ -145,10 +164,7 @@ def causal_visible(i, offset, qq, qr, *, k_stride: int):
     :func:`causal_parts`), exactly and without overflow: it reads
     ``i - t + 1 <= qq`` with ``t = floor((qr + offset + 1) / ks)`` formed in
     uint32 (``qr + offset + 1 < 2**32``)."""
-    t = (
-        (qr.astype(jnp.uint32) + offset.astype(jnp.uint32) + jnp.uint32(1))
-        // jnp.uint32(k_stride)
-    ).astype(jnp.int32)
+    t = causal_steps(offset, qr, k_stride=k_stride)
     return i - (t - 1)[:, None, None] <= qq[:, None, None]
 
 
@@ -157,7 +173,7 @@ class ChunkScores(NamedTuple):
     [B*S]) and its raw scores; ``r`` indexes the chunk's rows."""
 
     acc: jax.Array     # [C, HK, Hg, T] float32: q.k (bf16 products, float32 accumulation)
-    valid: jax.Array   # [C, HK, T] bool: SPEC §2's slot validity
+    valid: jax.Array   # [C, HK, T] bool: slot validity (SPEC §2, or §6's row ranges)
     q_rows: jax.Array  # [C, HK, Hg, D] the chunk's query rows
     kg: jax.Array      # [C, HK, T, D] gathered keys: kg[r, kh, j] = k[b_r, idx_c[r, kh, j], kh]
     idx_c: jax.Array   # [C, HK, T] int32 indices clamped into [0, N-1]

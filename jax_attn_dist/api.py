@@ -28,17 +28,15 @@ def kernel_available() -> bool:
 
 
 def _rule_operands(problem, packed, *, causal: bool, k_stride: int):
-    """``(causal, q_start_index, row_ranges)`` for a canonical call: SPEC §6's
-    per-row ranges (canonical ``[B, S, 3]``) when the call has §6 keywords,
-    else ``[B, S, 0]`` and the caller's causal rule."""
-    ranges, causal, q_start_index = packing.call_rule(packed, S=problem.S, N=problem.N, T=problem.T, causal=causal,
-                                                      k_stride=k_stride,
-                                                      batch=problem.B if problem.batched else None)
+    """``(causal, q_start_index, row_ranges)`` for a canonical call: with §6
+    keywords, SPEC §6's per-row ranges (canonical ``[B, S, 3]``), which hold
+    the whole rule, and ``causal=False, q_start_index=0``; else ``[B, S,
+    0]`` and the caller's rule."""
+    ranges = packing.row_ranges(packed, S=problem.S, N=problem.N, T=problem.T, causal=causal, k_stride=k_stride,
+                                batch=problem.B if problem.batched else None)
     if ranges is None:
-        ranges = _contract.no_row_ranges(problem.B, problem.S)
-    elif not problem.batched:
-        ranges = ranges[None]
-    return causal, q_start_index, ranges
+        return causal, packed.q_start_index, _contract.no_row_ranges(problem.B, problem.S)
+    return False, 0, ranges if problem.batched else ranges[None]
 
 
 def _require_kernel(who: str, supported, why: str) -> None:

@@ -102,7 +102,7 @@ def _indexer_fwd(index_q, index_k, weights, indices, target, q_start, row_ranges
 
 def _indexer_bwd(scale, causal, k_stride, deterministic, implementation, residuals, g):
     # `implementation="cuda"` binds the forward to its kernel; the backward
-    # uses its kernel wherever it applies (HI <= 64, deterministic=False) and
+    # uses its kernel wherever it applies (HI <= 64, either mode) and
     # the jnp pass elsewhere, so "cuda" becomes None here.
     params = _indexer_params(scale, causal, k_stride, deterministic,
                              None if implementation == "cuda" else implementation)

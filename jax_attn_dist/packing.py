@@ -25,13 +25,13 @@ through the primitives unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from . import _contract
-from ._chunks import causal_parts
+from ._chunks import causal_parts, visible_keys
 
 
 #: Row-sequence pairs up to which row_sequences compares every row with every
@@ -91,19 +91,6 @@ def row_sequences(cu_seqlens_q, cu_seqlens_k, *, S: int, N: int):
     return ok, jnp.where(ok, owner, 0)
 
 
-def visible_keys(offset, qq, qr, span, *, k_stride: int):
-    """``clamp(floor((q0 + offset + 1) / ks), 0, span)``: how many of a
-    sequence's first keys SPEC §2.2's causal rule lets a query at position
-    ``q0 + offset`` see (``i' <= floor((pos + 1 - ks) / ks)``), capped at
-    the ``span`` keys there are. ``q0 = ks*qq + qr`` from
-    ``_chunks.causal_parts``; ``offset`` in ``[0, 2^31)``; ``span`` in ``[0,
-    2^31)``. Exact for every int32 ``q0``, without overflow: with ``t =
-    floor((qr + offset + 1) / ks)`` (uint32) the count is ``qq + t``, and
-    ``clamp(qq + t, 0, span) = min(max(qq, -t), span - t) + t``."""
-    t = ((qr.astype(jnp.uint32) + offset.astype(jnp.uint32) + jnp.uint32(1)) // jnp.uint32(k_stride)).astype(jnp.int32)
-    return jnp.minimum(jnp.maximum(qq, -t), span - t) + t
-
-
 def row_ranges(packing: "_contract.Packing", *, S: int, N: int, T: int, causal: bool, k_stride: int,
                batch: Optional[int] = None):
     """SPEC §6's per-row ranges, int32 ``[B?, S, 3]`` (``batch``: B, or None
@@ -126,47 +113,30 @@ def row_ranges(packing: "_contract.Packing", *, S: int, N: int, T: int, causal: 
         return None
     lead = () if batch is None else (batch,)
     s = jnp.arange(S, dtype=jnp.int32)
-    if packing.packed:
-        num_seqs = packing.num_seqs
-        ok, owner = row_sequences(packing.cu_seqlens_q, packing.cu_seqlens_k, S=S, N=N)
-        if num_seqs == 0:
-            begin = span = jnp.zeros((S,), jnp.int32)
-        else:
-            cu_q = jnp.asarray(packing.cu_seqlens_q).astype(jnp.int32)
-            cu_k = jnp.asarray(packing.cu_seqlens_k).astype(jnp.int32)
-            begin = jnp.where(ok, cu_k[owner], 0)                     # in [0, N]
-            span = jnp.where(ok, cu_k[owner + 1], 0) - begin          # in [0, N] where ok, else 0
-            if causal:
-                qq, qr = causal_parts(_per_seq_q_start(packing.q_start_index, num_seqs), k_stride)
-                d = jnp.where(ok, s - cu_q[owner], 0)                   # row offset in its sequence, [0, S)
-                span = visible_keys(d, qq[owner], qr[owner], span, k_stride=k_stride)
+    # Each row's key range [begin, begin + span) before the causal cut, its
+    # offset from its sequence's first query and that query's position q0.
+    if not packing.packed:
+        begin, span, offset = jnp.zeros((), jnp.int32), jnp.int32(N), s
+        q0 = jnp.broadcast_to(jnp.asarray(packing.q_start_index).astype(jnp.int32), lead)[..., None]  # [B?, 1]
+    elif packing.num_seqs == 0:
+        begin = span = offset = q0 = jnp.zeros((S,), jnp.int32)  # no sequence: every range empty
     else:
-        begin = jnp.zeros(lead + (S,), jnp.int32)
-        span = jnp.full(lead + (S,), N, jnp.int32)
-        if causal:
-            q0 = packing.q_start_index
-            q0 = jnp.full(lead, q0, jnp.int32) if isinstance(q0, int) else jnp.asarray(q0).astype(jnp.int32)
-            qq, qr = causal_parts(jnp.broadcast_to(q0, lead)[..., None], k_stride)     # [B?, 1]
-            span = visible_keys(jnp.broadcast_to(s, lead + (S,)), qq, qr, span, k_stride=k_stride)
-    end = begin + span
+        ok, owner = row_sequences(packing.cu_seqlens_q, packing.cu_seqlens_k, S=S, N=N)
+        cu_q = jnp.asarray(packing.cu_seqlens_q).astype(jnp.int32)
+        cu_k = jnp.asarray(packing.cu_seqlens_k).astype(jnp.int32)
+        begin = jnp.where(ok, cu_k[owner], 0)                     # in [0, N]
+        span = jnp.where(ok, cu_k[owner + 1], 0) - begin          # in [0, N] where ok, else 0
+        offset = jnp.where(ok, s - cu_q[owner], 0)                # in [0, S)
+        q0 = _per_seq_q_start(packing.q_start_index, packing.num_seqs)[owner]
+    if causal:
+        qq, qr = causal_parts(q0, k_stride)
+        span = visible_keys(offset, qq, qr, span, k_stride=k_stride)
     if packing.topk_length is not None:
         length = jnp.clip(jnp.asarray(packing.topk_length).astype(jnp.int32), 0, T)
     else:
-        length = jnp.full(lead + (S,), T, jnp.int32)
-    begin, end = (jnp.broadcast_to(x, lead + (S,)) for x in (begin, end))
+        length = jnp.int32(T)
+    begin, end, length = (jnp.broadcast_to(x, lead + (S,)) for x in (begin, begin + span, length))
     return jnp.stack([begin, end, length], axis=-1)
-
-
-def call_rule(packing: "_contract.Packing", *, S: int, N: int, T: int, causal: bool, k_stride: int,
-              batch: Optional[int] = None) -> Tuple[Any, bool, Any]:
-    """``(row_ranges, causal, q_start_index)`` for the primitives: without
-    §6 keywords ``(None, causal, q_start_index)`` as given; with them the
-    ranges of :func:`row_ranges`, which hold the whole rule, and
-    ``causal=False, q_start_index=0``."""
-    ranges = row_ranges(packing, S=S, N=N, T=T, causal=causal, k_stride=k_stride, batch=batch)
-    if ranges is None:
-        return None, causal, packing.q_start_index
-    return ranges, False, 0
 
 
 def cu_seqlens_from_segment_ids(segment_ids, num_seqs: int):
