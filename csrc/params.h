@@ -26,6 +26,7 @@ struct AttnDistParams {
   bool lse_base_e;         // lse is a natural-log LSE (else base 2)
   int k_stride;            // causal rule: i <= floor((q_start + s + 1 - k_stride) / k_stride)
   float scale_log2;        // sm_scale * log2(e): p = exp2(acc * scale_log2 - lse_2)
+  bool prefetch_next_cta;  // set by the launcher: ask L2 for the next CTA's inputs (attn_dist/kernel.cuh)
 
   const void* q;           // cutlass::bfloat16_t
   const void* k;           // cutlass::bfloat16_t

@@ -33,6 +33,9 @@ ATTN_DIST = [
     kernel_cases.Case(S=4, H=1, T=1, D=576, N=10, B=1, seed=5),                           # minimal
     kernel_cases.Case(S=2, H=192, T=127, D=576, N=300, invalid_fraction=1.0, seed=6),     # 2 head tiles, all invalid
     kernel_cases.Case(S=64, H=128, T=512, D=576, N=8192, invalid_fraction=0.1, seed=7),   # mid-size
+    # More CTAs than SMs, so each asks L2 for its successor's rows (HT = 128
+    # with a partial second head tile, across the batch boundary).
+    kernel_cases.Case(S=150, H=160, T=130, D=576, N=700, B=2, per_batch_q_start=True, seed=8),
 ]
 
 INDEXER = [

@@ -20,6 +20,7 @@
 
 #include "../common/gather.cuh"
 #include "../common/host.h"
+#include "../common/prefetch.cuh"
 #include "../common/slot_validity.cuh"
 #include "config.h"
 
@@ -67,6 +68,25 @@ __device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& pl
                            plan.q + dt * Cfg::HT * kDimTile, dt * kDimTile, c.head_tile * Cfg::HT, c.s,
                            c.batch);
   }
+}
+
+// What the CTA that takes this one's place next (one CTA per SM) reads first:
+// its Q rows (144 KiB at HT = 128, the longest wait of a CTA's start), slot
+// indices and lse, asked for at this CTA's start. The launcher turns it on
+// only where it measured a gain (run_variant).
+template <class Cfg>
+__device__ __forceinline__ void prefetch_next_cta(const AttnDistParams& p) {
+  const int64_t next = int64_t(blockIdx.x) + resident_ctas(1);
+  if (next >= gridDim.x) return;
+  const int num_head_tiles = (p.h_q + Cfg::HT - 1) / Cfg::HT;
+  const int64_t token = next / num_head_tiles;  // b * S + s
+  const int head0 = int(next % num_head_tiles) * Cfg::HT;
+  const int heads = min(Cfg::HT, p.h_q - head0);
+  const int64_t tokens = int64_t(p.batch) * p.s_q;
+  prefetch_elems_to_l2(static_cast<const bf16*>(p.q), tokens * p.h_q * p.d_qk, (token * p.h_q + head0) * p.d_qk,
+                       int64_t(heads) * p.d_qk);
+  prefetch_elems_to_l2(p.indices, tokens * p.topk, token * p.topk, p.topk);
+  prefetch_elems_to_l2(p.lse, tokens * p.h_q, token * p.h_q + head0, heads);
 }
 
 // ---------------------------------------------------------------------------
@@ -248,6 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       cute::prefetch_tma_descriptor(&tma.q);
       load_q_by_tma<Cfg>(plan, tma, cta);
     }
+    if (thread_in_wg == 0 && params.prefetch_next_cta) prefetch_next_cta<Cfg>(params);
     constexpr int kFeeders = Cfg::Ring::kFeeders;
     const int consumer = thread_in_wg / kFeeders;
     const bf16* keys = static_cast<const bf16*>(params.k) + int64_t(cta.batch) * params.s_kv * Cfg::D;
@@ -279,9 +300,17 @@ LaunchStatus run_variant(const AttnDistParams& p, cudaStream_t stream, const cha
   if (LaunchStatus s = encode_head_tile_map(&tma.q, p.q, Cfg::D, p.h_q, p.s_q, p.batch, Cfg::HT, detail);
       s != LaunchStatus::kOk)
     return s;
+  // The next CTA's prefetch (prefetch_next_cta), A/B on an H100
+  // (docs/PERFORMANCE.md §8): -5 % at v32-h128 and h96, where K (9 MiB) and
+  // every SM's prefetched Q fit in L2 together; +6 % at N = 128k, where the
+  // prefetched Q takes L2 from the key rows' reuse; no change at HT = 64.
+  AttnDistParams launch = p;
+  const int64_t key_bytes = int64_t(p.batch) * p.s_kv * Cfg::D * int64_t(sizeof(bf16));
+  const int64_t prefetched_q_bytes = int64_t(device_sm_count()) * Cfg::kQBytes;
+  launch.prefetch_next_cta = Cfg::HT == 128 && key_bytes + prefetched_q_bytes <= device_l2_bytes();
   const int num_head_tiles = (p.h_q + Cfg::HT - 1) / Cfg::HT;
   return launch_kernel(&attn_dist_kernel<Cfg>, int64_t(p.batch) * p.s_q * num_head_tiles, kThreads, Cfg::kSmemBytes,
-                       stream, detail, p, tma);
+                       stream, detail, launch, tma);
 }
 
 }  // namespace attn_dist

@@ -35,6 +35,19 @@ inline LaunchStatus encode_head_tile_map(CUtensorMap* map, const void* base, int
   return LaunchStatus::kOk;
 }
 
+// The current device's SM count and L2 size (0 if a query fails). Plain
+// attribute queries: no synchronisation, and nothing that touches the stream,
+// which may be capturing a CUDA graph (a stream query there failed the
+// capture). The handler runs with the stream's device current, as
+// cudaFuncSetAttribute in launch_kernel also assumes.
+inline int device_attribute(cudaDeviceAttr attr) {
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) return 0;
+  return value;
+}
+inline int device_sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount); }
+inline int64_t device_l2_bytes() { return device_attribute(cudaDevAttrL2CacheSize); }
+
 // Launches `kernel` with `smem` bytes of dynamic shared memory; the error
 // returned is this launch's (cudaLaunchKernelEx), not a stale one that
 // cudaGetLastError might report.

@@ -21,6 +21,7 @@
 
 #include "../common/gather.cuh"
 #include "../common/host.h"
+#include "../common/prefetch.cuh"
 #include "../common/slot_validity.cuh"
 #include "config.h"
 
@@ -119,21 +120,10 @@ __device__ __forceinline__ CtaProblem locate_cta(const IndexerProblemParams& p) 
 // Producer steps (WG1).
 // ---------------------------------------------------------------------------
 
-// Asks L2 to fetch bytes [begin, end) of a `size`-byte global buffer (whole
-// 16-byte units inside it only): one bulk prefetch, no registers, no wait.
-__device__ __forceinline__ void prefetch_to_l2(const void* buffer, int64_t size, int64_t begin, int64_t end) {
-  begin = begin / 16 * 16;
-  end = min((end + 15) / 16 * 16, size / 16 * 16);
-  if (end > begin)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(buffer) + begin),
-                 "r"(uint32_t(end - begin))
-                 : "memory");
-}
-
 // The row's slot indices and targets: the producer reads the indices a few
 // blocks ahead, the consumer both; their first touch comes from HBM. Also the
-// indices of the row of the CTA that takes this one's place next (CTAs start
-// in order, `resident` at a time), so that its first blocks start from L2.
+// indices of the row of the CTA that takes this one's place next
+// (common/prefetch.cuh), so that its first blocks start from L2.
 __device__ __forceinline__ void prefetch_row(const IndexerProblemParams& p, const CtaProblem& c, int resident) {
   const int64_t row_bytes = int64_t(p.topk) * 4;
   const int64_t live_bytes = int64_t(c.slots.topk) * 4;  // slots past topk_length are never read
@@ -143,11 +133,6 @@ __device__ __forceinline__ void prefetch_row(const IndexerProblemParams& p, cons
   prefetch_to_l2(p.indices, size, (c.row + resident) * row_bytes, (c.row + resident + 1) * row_bytes);
 }
 
-__device__ __forceinline__ int num_sms() {
-  uint32_t n;
-  asm("mov.u32 %0, %%nsmid;" : "=r"(n));
-  return int(n);
-}
 template <class Cfg>
 __device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
                                               const CtaProblem& c) {
@@ -367,7 +352,7 @@ template <class Cfg, int kLookahead>
 __device__ __forceinline__ void produce_row(typename Cfg::SharedMemoryPlan& plan, const IndexerProblemParams& params,
                                             const TmaParams& tma, const CtaProblem& cta, int thread_in_wg) {
   if (thread_in_wg == 0) {
-    prefetch_row(params, cta, num_sms() * Cfg::kCtasPerSm);
+    prefetch_row(params, cta, resident_ctas(Cfg::kCtasPerSm));
     cute::prefetch_tma_descriptor(&tma.q);
     load_q_by_tma<Cfg>(plan, tma, cta);
   }
