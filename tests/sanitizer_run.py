@@ -46,6 +46,10 @@ INDEXER = [
     indexer_cases.Case(S=2, HI=64, T=64, DI=64, N=50, invalid_fraction=1.0, seed=5),      # all invalid
     indexer_cases.Case(S=3, HI=1, T=0, DI=128, N=10, seed=6),                             # T = 0
     indexer_cases.Case(S=48, HI=64, T=512, DI=128, N=4096, seed=7),                       # mid-size
+    # More rows than resident CTAs (396 and 264 on an H100): CTAs prefetch
+    # their successors' rows, across a batch boundary and past the last row.
+    indexer_cases.Case(S=500, HI=64, T=130, DI=128, N=600, B=2, per_batch_q_start=True, invalid_fraction=0.3, seed=8),
+    indexer_cases.Case(S=300, HI=130, T=70, DI=64, N=200, seed=9),
 ]
 
 INDEXER_BWD = [c for c in INDEXER if c.HI <= 64] + [
