@@ -37,6 +37,8 @@ __device__ __forceinline__ int num_sms() {
 }
 
 // The CTAs of a grid that run at once when `ctas_per_sm` fit on each SM.
+// (%nsmid may exceed the SM count where SM ids are not contiguous; then the
+// "next" CTA is a little off, which costs a prefetch hint, nothing else.)
 __device__ __forceinline__ int resident_ctas(int ctas_per_sm) { return num_sms() * ctas_per_sm; }
 
 }  // namespace attn_dist
