@@ -25,9 +25,10 @@ namespace attn_dist {
 
 constexpr int kNumConsumers = 2;    // WG0 takes the even key blocks, WG1 the odd ones
 constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;  // + WG2, the producer
+constexpr int kCtasPerSm = 1;       // Q and the two rings take the SM's shared memory
 
 // setmaxnreg moves registers between warpgroups within the CTA's launch
-// allocation (__launch_bounds__(384, 1): 168 per thread, 64512 in all), so the
+// allocation (__launch_bounds__(384, kCtasPerSm): 168 per thread, 64512 in all), so the
 // budgets must fit in it, or the consumers' allocation waits forever.
 constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;  // 168
 constexpr int kConsumerRegs = 208;
@@ -42,6 +43,7 @@ struct Config {
   static constexpr int HT = HT_;
   static constexpr int kDimTiles = D / kDimTile;
   static constexpr int kGroupsPerTile = HT / kHeadsPerGroup;
+  static __host__ __device__ constexpr int num_head_tiles(int heads) { return (heads + HT - 1) / HT; }
   static_assert(D % kDimTile == 0, "D must be a multiple of 64");
   static_assert(HT == 64 || HT == 128, "head tile is 64 or 128");
 

@@ -28,21 +28,32 @@ namespace attn_dist {
 
 using namespace cute;
 
-// Per-CTA facts shared by producer and consumers.
-struct CtaProblem {
+// Where CTA `linear` of the grid works: head tiles fastest, then query
+// tokens, then batch elements.
+struct CtaTile {
   int batch, s, head_tile;
+};
+
+template <class Cfg>
+__device__ __forceinline__ CtaTile tile_of_cta(const AttnDistParams& p, int linear) {
+  const int num_head_tiles = Cfg::num_head_tiles(p.h_q);
+  CtaTile t;
+  t.head_tile = linear % num_head_tiles;
+  linear /= num_head_tiles;
+  t.s = linear % p.s_q;
+  t.batch = linear / p.s_q;
+  return t;
+}
+
+// Per-CTA facts shared by producer and consumers.
+struct CtaProblem : CtaTile {
   RowSlots slots;
 };
 
 template <class Cfg>
 __device__ __forceinline__ CtaProblem locate_cta(const AttnDistParams& p) {
-  const int num_head_tiles = (p.h_q + Cfg::HT - 1) / Cfg::HT;
-  int linear = blockIdx.x;
   CtaProblem c;
-  c.head_tile = linear % num_head_tiles;
-  linear /= num_head_tiles;
-  c.s = linear % p.s_q;
-  c.batch = linear / p.s_q;
+  static_cast<CtaTile&>(c) = tile_of_cta<Cfg>(p, blockIdx.x);
   c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride,
                            p.row_ranges);
   return c;
@@ -70,17 +81,17 @@ __device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& pl
   }
 }
 
-// What the CTA that takes this one's place next (one CTA per SM) reads first:
+// What the CTA that takes this one's place next (kCtasPerSm = 1) reads first:
 // its Q rows (144 KiB at HT = 128, the longest wait of a CTA's start), slot
 // indices and lse, asked for at this CTA's start. The launcher turns it on
 // only where it measured a gain (run_variant).
 template <class Cfg>
 __device__ __forceinline__ void prefetch_next_cta(const AttnDistParams& p) {
-  const int64_t next = int64_t(blockIdx.x) + resident_ctas(1);
+  const int64_t next = int64_t(blockIdx.x) + resident_ctas(kCtasPerSm);
   if (next >= gridDim.x) return;
-  const int num_head_tiles = (p.h_q + Cfg::HT - 1) / Cfg::HT;
-  const int64_t token = next / num_head_tiles;  // b * S + s
-  const int head0 = int(next % num_head_tiles) * Cfg::HT;
+  const CtaTile tile = tile_of_cta<Cfg>(p, int(next));
+  const int64_t token = int64_t(tile.batch) * p.s_q + tile.s;
+  const int head0 = tile.head_tile * Cfg::HT;
   const int heads = min(Cfg::HT, p.h_q - head0);
   const int64_t tokens = int64_t(p.batch) * p.s_q;
   prefetch_elems_to_l2(static_cast<const bf16*>(p.q), tokens * p.h_q * p.d_qk, (token * p.h_q + head0) * p.d_qk,
@@ -241,7 +252,7 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedMemoryPlan& p
 // The kernel.
 // ---------------------------------------------------------------------------
 template <class Cfg>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
     attn_dist_kernel(const __grid_constant__ AttnDistParams params, const __grid_constant__ TmaParams tma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Plan = typename Cfg::SharedMemoryPlan;
@@ -308,8 +319,8 @@ LaunchStatus run_variant(const AttnDistParams& p, cudaStream_t stream, const cha
   const int64_t key_bytes = int64_t(p.batch) * p.s_kv * Cfg::D * int64_t(sizeof(bf16));
   const int64_t prefetched_q_bytes = int64_t(device_sm_count()) * Cfg::kQBytes;
   launch.prefetch_next_cta = Cfg::HT == 128 && key_bytes + prefetched_q_bytes <= device_l2_bytes();
-  const int num_head_tiles = (p.h_q + Cfg::HT - 1) / Cfg::HT;
-  return launch_kernel(&attn_dist_kernel<Cfg>, int64_t(p.batch) * p.s_q * num_head_tiles, kThreads, Cfg::kSmemBytes,
+  return launch_kernel(&attn_dist_kernel<Cfg>, int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q), kThreads,
+                       Cfg::kSmemBytes,
                        stream, detail, launch, tma);
 }
 
