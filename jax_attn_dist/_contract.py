@@ -346,32 +346,38 @@ def _check_int32_values(name: str, x: Any, who: str) -> None:
             raise ValueError(f"{who}: `{name}` must fit in int32, got values in [{values.min()}, {values.max()}]")
 
 
-def check_q_start_index(q_start_index: Any, problem, who: str = "attn_dist"):
+def _check_int_array(name: str, x: Any, who: str, what: str):
+    """An integer array (cast to int32 by the caller) whose values fit int32:
+    ``q_start_index`` and SPEC §6's arrays. Returns the array as given."""
+    if isinstance(x, (bool, np.bool_)) or not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{who}: `{name}` must be an int32 array {what}, got {type(x).__name__}: {x!r}")
+    _check_int32_values(name, x, who)
+    return x
+
+
+def check_q_start_index(q_start_index: Any, problem, who: str = "attn_dist", num_seqs: Optional[int] = None):
     """Returns either a Python int (checked to fit int32) or the array as given
-    (checked: integer dtype, shape [] or, when batched, [B]). The caller casts
-    arrays to int32."""
+    (checked: integer dtype, shape [] or, when batched, [B]; with cu_seqlens,
+    ``num_seqs`` given, [] or [num_seqs]: one start per sequence). The caller
+    casts arrays to int32."""
     if isinstance(q_start_index, (bool, np.bool_, int)):
         return _check_python_int32("q_start_index", q_start_index, who)
-    if not (hasattr(q_start_index, "shape") and hasattr(q_start_index, "dtype")):
-        raise TypeError(
-            f"{who}: `q_start_index` must be a Python int or an integer array of "
-            f"shape [] or [B], got {type(q_start_index).__name__}: {q_start_index!r}"
-        )
-    _check_int32_values("q_start_index", q_start_index, who)
+    per, length = ("num_seqs", num_seqs) if num_seqs is not None else ("B", problem.B)
+    _check_int_array("q_start_index", q_start_index, who, f"of shape [] or [{per}] (or a Python int)")
     shape = tuple(int(d) for d in q_start_index.shape)
     if shape == ():
         return q_start_index
-    if not problem.batched:
+    if num_seqs is None and not problem.batched:
         raise ValueError(
             f"{who}: `q_start_index` must be a scalar (shape []) when the inputs "
             f"are unbatched, got shape {_fmt(shape)}"
         )
-    if shape != (problem.B,):
-        raise ValueError(
-            f"{who}: `q_start_index` must have shape [] or [B] = [{problem.B}], "
-            f"got {_fmt(shape)}"
-        )
-    return q_start_index
+    if shape == (length,):
+        return q_start_index
+    if num_seqs is not None:
+        raise ValueError(f"{who}: with cu_seqlens, `q_start_index` must be a Python int or an array of shape [] "
+                         f"or [num_seqs] = [{num_seqs}] (one start position per sequence), got {_fmt(shape)}")
+    raise ValueError(f"{who}: `q_start_index` must have shape [] or [B] = [{length}], got {_fmt(shape)}")
 
 
 #: SPEC §6's per-row ranges, the primitives' ``row_ranges`` operand: int32
@@ -627,15 +633,6 @@ def indexer_bwd_workspace_bytes(index_k_shape, *, deterministic: bool) -> int:
 # ----------------------------------------------------------------------------
 
 
-def _check_int_array(name: str, x: Any, who: str, what: str):
-    """An integer array (cast to int32 by the caller) whose values fit int32,
-    as for ``q_start_index``. Returns the array as given."""
-    if isinstance(x, (bool, np.bool_)) or not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"{who}: `{name}` must be an int32 array {what}, got {type(x).__name__}: {x!r}")
-    _check_int32_values(name, x, who)
-    return x
-
-
 @dataclasses.dataclass(frozen=True)
 class Packing:
     """The checked SPEC §6 keywords of one call (arrays as given, not yet
@@ -693,15 +690,7 @@ def check_packing(topk_length, cu_seqlens_q, cu_seqlens_k, q_start_index, proble
     if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape):
         raise ValueError(f"{who}: `cu_seqlens_q` and `cu_seqlens_k` must have the same shape [num_seqs + 1], got "
                          f"{_fmt(cu_seqlens_q.shape)} and {_fmt(cu_seqlens_k.shape)}")
-    num_seqs = int(cu_seqlens_q.shape[0]) - 1
-    if isinstance(q_start_index, (bool, np.bool_, int)):
-        q_start_index = _check_python_int32("q_start_index", q_start_index, who)
-    else:
-        _check_int_array("q_start_index", q_start_index, who, "of shape [] or [num_seqs] (or a Python int)")
-        shape = tuple(int(d) for d in q_start_index.shape)
-        if shape not in ((), (num_seqs,)):
-            raise ValueError(f"{who}: with cu_seqlens, `q_start_index` must be a Python int or an array of shape [] "
-                             f"or [num_seqs] = [{num_seqs}] (one start position per sequence), got {_fmt(shape)}")
+    q_start_index = check_q_start_index(q_start_index, problem, who, num_seqs=int(cu_seqlens_q.shape[0]) - 1)
     return Packing(topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    q_start_index=q_start_index)
 

@@ -202,7 +202,6 @@ def kernel_available(required: bool = False) -> bool:
 
 def kernel_unavailable_reason() -> str:
     """Why ``kernel_available()`` is False (or what was registered)."""
-    global _state
     if _state is None:
         ensure_registered()
     return _state.reason

@@ -12,6 +12,8 @@ operand of the primitives.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -27,16 +29,16 @@ def kernel_available() -> bool:
     return _ext.kernel_available()
 
 
-def _rule_operands(problem, packed, *, causal: bool, k_stride: int):
-    """``(causal, q_start_index, row_ranges)`` for a canonical call: with §6
+def _rule_operands(problem, packed, *params):
+    """``(q_start_index, row_ranges, *params)`` for a canonical call: with §6
     keywords, SPEC §6's per-row ranges (canonical ``[B, S, 3]``), which hold
-    the whole rule, and ``causal=False, q_start_index=0``; else ``[B, S,
-    0]`` and the caller's rule."""
-    ranges = packing.row_ranges(packed, S=problem.S, N=problem.N, T=problem.T, causal=causal, k_stride=k_stride,
-                                batch=problem.B if problem.batched else None)
+    the whole rule, ``q_start_index=0`` and each of ``params`` with
+    ``causal=False``; else ``[B, S, 0]`` and the caller's rule as given."""
+    ranges = packing.row_ranges(packed, S=problem.S, N=problem.N, T=problem.T, causal=params[0].causal,
+                                k_stride=params[0].k_stride, batch=problem.B if problem.batched else None)
     if ranges is None:
-        return causal, packed.q_start_index, _contract.no_row_ranges(problem.B, problem.S)
-    return False, 0, ranges if problem.batched else ranges[None]
+        return (packed.q_start_index, _contract.no_row_ranges(problem.B, problem.S), *params)
+    return (0, ranges if problem.batched else ranges[None], *(dataclasses.replace(p, causal=False) for p in params))
 
 
 def _require_kernel(who: str, supported, why: str) -> None:
@@ -122,9 +124,9 @@ def attn_dist(
         _require_kernel("attn_dist", *_contract.kernel_supports(problem))
     if problem.is_empty:
         return jnp.zeros(problem.out_shape, jnp.float32)
-    causal, q_start_index, ranges = _rule_operands(problem, packed, causal=params.causal, k_stride=params.k_stride)
+    q_start_index, ranges, params = _rule_operands(problem, packed, params)
     args = canonicalize(problem, q, k, indices, lse, q_start_index)
-    out = attn_dist_canonical(*args, ranges, implementation=implementation, **dict(params.as_dict(), causal=causal))
+    out = attn_dist_canonical(*args, ranges, implementation=implementation, **params.as_dict())
     return out if problem.batched else out[0]
 
 
@@ -181,9 +183,9 @@ def indexer_kl(
         _require_kernel("indexer_kl", *_contract.indexer_kernel_supports(problem))
     if problem.is_empty:
         return jnp.zeros(problem.out_shape, jnp.float32)
-    causal, q_start_index, ranges = _rule_operands(problem, packed, causal=params.causal, k_stride=params.k_stride)
+    q_start_index, ranges, params = _rule_operands(problem, packed, params)
     args = canonicalize(problem, index_q, index_k, weights, indices, target, q_start_index)
-    kl = indexer_kl_canonical(*args, ranges, implementation=implementation, **dict(params.as_dict(), causal=causal))
+    kl = indexer_kl_canonical(*args, ranges, implementation=implementation, **params.as_dict())
     return kl if problem.batched else kl[0]
 
 
@@ -226,14 +228,14 @@ def indexer_loss(
         return jnp.zeros(index_problem.out_shape, jnp.float32)
 
     # SPEC §6 once, for both steps.
-    causal, q_start_index, ranges = _rule_operands(problem, packed, causal=causal, k_stride=k_stride)
+    q_start_index, ranges, attn_params, index_params = _rule_operands(problem, packed, attn_params, index_params)
     q, k, indices, lse, q_start = canonicalize(problem, q, k, indices, lse, q_start_index)
     dist = attn_dist_canonical(q, k, indices, lse, q_start, ranges, implementation=implementation,
-                               **dict(attn_params.as_dict(), causal=causal))               # [B, G, S, T]
+                               **attn_params.as_dict())                                    # [B, G, S, T]
     mass = dist.sum(axis=1)                                                                # [B, S, T]
     total = mass.sum(axis=-1, keepdims=True)
     target = jax.lax.stop_gradient(jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), 0.0))
     index_q, index_k, weights, _ = canonicalize(index_problem, index_q, index_k, weights, 0)
     kl = indexer_kl_canonical(index_q, index_k, weights, indices, target, q_start, ranges,
-                              implementation=implementation, **dict(index_params.as_dict(), causal=causal))
+                              implementation=implementation, **index_params.as_dict())
     return kl if problem.batched else kl[0]

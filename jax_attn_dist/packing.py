@@ -40,10 +40,10 @@ from ._chunks import causal_parts, visible_keys
 FUSED_CLAIMS = 1 << 22
 
 
-def _per_seq_q_start(q_start_index, num_seqs: int):
-    if isinstance(q_start_index, int):
-        return jnp.full((num_seqs,), q_start_index, jnp.int32)
-    return jnp.broadcast_to(jnp.asarray(q_start_index).astype(jnp.int32), (num_seqs,))
+def _int32_as(x, shape):
+    """A checked ``q_start_index`` (a Python int, or an integer array of shape
+    [] or ``shape``) as int32 of ``shape``."""
+    return jnp.broadcast_to(jnp.asarray(x).astype(jnp.int32), shape)
 
 
 def row_sequences(cu_seqlens_q, cu_seqlens_k, *, S: int, N: int):
@@ -66,9 +66,7 @@ def row_sequences(cu_seqlens_q, cu_seqlens_k, *, S: int, N: int):
     num_seqs) work, a few kernels)."""
     cu_q = jnp.asarray(cu_seqlens_q).astype(jnp.int32)
     cu_k = jnp.asarray(cu_seqlens_k).astype(jnp.int32)
-    num_seqs = int(cu_q.shape[0]) - 1
-    if num_seqs == 0:
-        return jnp.zeros((S,), bool), jnp.zeros((S,), jnp.int32)
+    num_seqs = int(cu_q.shape[0]) - 1  # >= 1: row_ranges serves num_seqs = 0 itself
     lo, hi = cu_q[:-1], cu_q[1:]
     klo, khi = cu_k[:-1], cu_k[1:]
     well = (lo >= 0) & (lo <= hi) & (hi <= S) & (klo >= 0) & (klo <= khi) & (khi <= N)  # [num_seqs]
@@ -117,7 +115,7 @@ def row_ranges(packing: "_contract.Packing", *, S: int, N: int, T: int, causal: 
     # offset from its sequence's first query and that query's position q0.
     if not packing.packed:
         begin, span, offset = jnp.zeros((), jnp.int32), jnp.int32(N), s
-        q0 = jnp.broadcast_to(jnp.asarray(packing.q_start_index).astype(jnp.int32), lead)[..., None]  # [B?, 1]
+        q0 = _int32_as(packing.q_start_index, lead)[..., None]  # [B?, 1]
     elif packing.num_seqs == 0:
         begin = span = offset = q0 = jnp.zeros((S,), jnp.int32)  # no sequence: every range empty
     else:
@@ -127,7 +125,7 @@ def row_ranges(packing: "_contract.Packing", *, S: int, N: int, T: int, causal: 
         begin = jnp.where(ok, cu_k[owner], 0)                     # in [0, N]
         span = jnp.where(ok, cu_k[owner + 1], 0) - begin          # in [0, N] where ok, else 0
         offset = jnp.where(ok, s - cu_q[owner], 0)                # in [0, S)
-        q0 = _per_seq_q_start(packing.q_start_index, packing.num_seqs)[owner]
+        q0 = _int32_as(packing.q_start_index, (packing.num_seqs,))[owner]
     if causal:
         qq, qr = causal_parts(q0, k_stride)
         span = visible_keys(offset, qq, qr, span, k_stride=k_stride)

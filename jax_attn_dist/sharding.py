@@ -192,8 +192,9 @@ class AttnDistDecision(Decision):
         q_spec = _spec(shardings[0], mesh, 4)
         i_spec = _spec(shardings[2], mesh, 4)
         self.h = self.take(q_spec[2], H // HEADS_PER_GROUP) if heads_shardable(H, HK) else ()
-        self.t = self.take(i_spec[3], shapes[2][3])
-        self.t_local = shapes[2][3] // _size(mesh, self.t)
+        self.T = shapes[2][3]
+        self.t = self.take(i_spec[3], self.T)
+        self.t_local = self.T // _size(mesh, self.t)
 
     @property
     def arg_shardings(self):
@@ -212,9 +213,10 @@ class AttnDistDecision(Decision):
         ranges = operands[op.row_ranges_operand]
         if self.t and ranges.shape[-1]:
             # topk_length counts from the row's first slot; this shard's
-            # first is j * T_local. (It is in [0, T]: no overflow.)
-            first = (jax.lax.axis_index(self.t) * self.t_local).astype(jnp.int32)
-            operands[op.row_ranges_operand] = ranges.at[..., 2].add(-first)
+            # first is shard_start(t). Clamped into [0, T] first (as the
+            # kernels clamp it), so that the difference cannot wrap.
+            length = jnp.clip(ranges[..., 2], 0, self.T) - shard_start(self.t, self.t_local)
+            operands[op.row_ranges_operand] = ranges.at[..., 2].set(length)
 
     @property
     def out_shardings(self):
@@ -353,13 +355,20 @@ INDEXER_FWD = OpPartitioning(7, _INDEXER_PARAMS, 5, 6, indexer_rule, IndexerDeci
 INDEXER_BWD = OpPartitioning(9, _INDEXER_PARAMS, 5, 6, indexer_bwd_rule, IndexerBwdDecision, True)
 
 
+def shard_start(axes: Tuple[str, ...], local: int):
+    """``i * local`` (int32) for the shard with index ``i`` over ``axes``: the
+    global index of its first element along a dimension split into pieces of
+    ``local``."""
+    return (jax.lax.axis_index(axes) * local).astype(jnp.int32)
+
+
 def shard_offset(q_start, s_axes: Tuple[str, ...], s_local: int):
-    """``q_start + i * s_local`` for the shard with index ``i`` over ``s_axes``
-    (int32; clamped at INT32_MAX instead of wrapping, which is exact for
-    k_stride = 1 and for every position that fits in int32)."""
+    """``q_start + shard_start(s_axes, s_local)`` (int32; clamped at
+    INT32_MAX instead of wrapping, which is exact for k_stride = 1 and for
+    every position that fits in int32)."""
     if not s_axes:
         return q_start
-    offset = (jax.lax.axis_index(s_axes) * s_local).astype(jnp.int32)
+    offset = shard_start(s_axes, s_local)
     return jnp.where(q_start > INT32_MAX - offset, jnp.int32(INT32_MAX), q_start + offset)
 
 
