@@ -208,6 +208,20 @@ def indexer_problem(S, N, HI, T, DI, seed):
     return (*ix.arrays, p.indices, target), dict(scale=1.0, causal=True, q_start_index=p.q_start_index, k_stride=1)
 
 
+def indexer_backward(arg_kw_sets):
+    """indexer_kl's backward alone: for each (arrays, keywords), jax.vjp's
+    function (its residuals computed beforehand) and a mean-loss cotangent,
+    and one jitted call that applies them."""
+    import jax_attn_dist
+
+    pairs = []
+    for a, kw in arg_kw_sets:
+        f = lambda iq, ik, w, a=a, kw=kw: jax_attn_dist.indexer_kl(iq, ik, w, *a[3:], **kw)  # noqa: E731
+        out, vjp = jax.vjp(f, *a[:3])
+        pairs.append((vjp, jnp.full(out.shape, 1.0 / out.size, jnp.float32)))
+    return jax.jit(lambda vjp, g: vjp(g)), pairs
+
+
 def bench_indexer(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
     import jax_attn_dist
     from jax_attn_dist import oracle
@@ -229,20 +243,10 @@ def bench_indexer(name, dims, *, calls, samples, gemm_tflops, with_xla=True):
             lambda *a: jax_attn_dist.indexer_kl(*a, implementation=impl, **kw).mean())
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
-    def bwd_only(deterministic):
-        """The backward alone: jax.vjp's function (its residuals computed
-        beforehand), jitted, on a mean-loss cotangent."""
-        pairs = []
-        for a in arg_sets:
-            f = lambda iq, ik, w, a=a: jax_attn_dist.indexer_kl(iq, ik, w, *a[3:], deterministic=deterministic, **kw)  # noqa: E731
-            out, vjp = jax.vjp(f, *a[:3])
-            pairs.append((vjp, jnp.full(out.shape, 1.0 / out.size, jnp.float32)))
-        return jax.jit(lambda vjp, g: vjp(g)), pairs
-
     kernel = fwd("cuda")
     out_k = kernel(*arg_sets[0])
     for deterministic, key in ((False, "kernel_bwd_ms"), (True, "bwd_deterministic_ms")):
-        b, pairs = bwd_only(deterministic)
+        b, pairs = indexer_backward([(a, dict(kw, deterministic=deterministic)) for a in arg_sets])
         row[key] = time_calls(b, pairs, calls=calls, samples=samples) * 1e3
         log(f"  {name}: backward (deterministic={deterministic}) {row[key]:.3f} ms")
     t_k = time_calls(kernel, arg_sets, calls=calls, samples=samples)
@@ -426,18 +430,10 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
                                                              **dict(zip(keys, dyn))))
         return f, [(a, tuple(kw[k] for k in keys)) for a, kw in pair_sets]
 
-    def backward(pair_sets):
-        pairs = []
-        for a, kw in pair_sets:
-            f = lambda iq, ik, w, a=a, kw=kw: jax_attn_dist.indexer_kl(iq, ik, w, *a[3:], **kw)  # noqa: E731
-            out, vjp = jax.vjp(f, *a[:3])
-            pairs.append((vjp, jnp.full(out.shape, 1.0 / out.size, jnp.float32)))
-        return jax.jit(lambda vjp, g: vjp(g)), pairs
-
     (fb, fb_sets), (fv, fv_sets) = forward(base_sets), forward(var_sets)
     kl_b, kl_v = fb(*fb_sets[0]), fv(*fv_sets[0])
     t_base, t_var = time_pair(fb, fv, fb_sets, fv_sets, calls=calls, samples=samples)
-    (bb, bb_sets), (bv, bv_sets) = backward(base_sets), backward(var_sets)
+    (bb, bb_sets), (bv, bv_sets) = indexer_backward(base_sets), indexer_backward(var_sets)
     tb_base, tb_var = time_pair(bb, bv, bb_sets, bv_sets, calls=calls, samples=samples)
     row.update(baseline_ms=t_base * 1e3, kernel_ms=t_var * 1e3, ratio=t_var / t_base,
                baseline_bwd_ms=tb_base * 1e3, kernel_bwd_ms=tb_var * 1e3, bwd_ratio=tb_var / tb_base)
