@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import re
-import sys
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +19,9 @@ from jaxpr_util import iter_eqns
 
 BF16 = jnp.bfloat16
 SDS = jax.ShapeDtypeStruct
+
+# Every test here lowers for CUDA as a CPU-only process does (conftest).
+pytestmark = pytest.mark.usefixtures("cross_lowering")
 
 
 def specs(B=None, S=5, H=3, D=576, N=7, HK=1, T=4, dtype=BF16):
@@ -102,12 +102,6 @@ def test_empty_problem_binds_nothing():
 # lowering and implementation selection
 # ----------------------------------------------------------------------------
 
-@pytest.fixture(autouse=True)
-def _cross_lowering(monkeypatch):
-    """These tests lower for CUDA as a CPU-only process does (e.g. to export):
-    pretend there is no local CUDA backend, so that a GPU machine without the
-    built extension behaves like this one."""
-    monkeypatch.setattr(primitive_mod, "_local_cuda_backend", lambda: False)
 
 
 _CALL = re.compile(r"stablehlo\.custom_call @jax_attn_dist_fwd\(([^)]*)\)(.*)")

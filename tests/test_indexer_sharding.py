@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from inputs import make_indexer_inputs, seed_of
-from jax_attn_dist import _contract, indexer_kl, oracle, primitive
+from jax_attn_dist import _contract, indexer_kl, oracle
 
 pytestmark = pytest.mark.host_devices(8)
 
@@ -171,8 +171,7 @@ def test_shard_map_with_user_offsets():
     close(per_shard(iq, ik, w, idx, tgt), indexer_kl(iq, ik, w, idx, tgt, q_start_index=q0, **kw))
 
 
-def test_cuda_lowering_of_shard_map_has_a_per_shard_kernel_call(monkeypatch):
-    monkeypatch.setattr(primitive, "_local_cuda_backend", lambda: False)
+def test_cuda_lowering_of_shard_map_has_a_per_shard_kernel_call(cross_lowering):
     mesh = mesh_of((8,), ("sp",))
     spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
     args = (spec(64, 64, 128), spec(100, 128), spec(64, 64, dt=F32), spec(64, 1, 32, dt=jnp.int32),

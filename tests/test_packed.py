@@ -60,29 +60,35 @@ def packing_kwargs(case):
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def oracle_kwargs(kw):
-    return {k: np.asarray(v) for k, v in kw.items()}
+def case_indices(rng, case, HK=1):
+    """The case's slot indices [S, HK, T]: a packed layout's, or any values
+    around [0, N) for topk_length alone."""
+    S, N, T = case["S"], case["N"], case["T"]
+    if "cu_q" not in case:
+        return jnp.asarray(rng.integers(-2, N + 2, (S, HK, T)).astype(np.int32))
+    return packed_indices(rng, S=S, N=N, HK=HK, T=T, cu_q=case["cu_q"], cu_k=case["cu_k"],
+                          q_start=case.get("q_start", 0), k_stride=case.get("k_stride", 1),
+                          causal=case.get("causal", True))
+
+
+def case_q_start(case):
+    qs = case.get("q_start", 0)
+    return qs if isinstance(qs, int) else i32(qs)
 
 
 def attn_problem(case, *, H=6, D=16, dtype=F32):
     """(q, k, indices, lse, rule kwargs, §6 kwargs) for an unbatched packed case."""
     rng = np.random.default_rng(seed_of("packed-attn", case["name"]))
-    S, N, T, HK = case["S"], case["N"], case["T"], case.get("HK", 1)
-    ks, causal = case.get("k_stride", 1), case.get("causal", True)
-    qs = case.get("q_start", 0)
+    S, N, HK = case["S"], case["N"], case.get("HK", 1)
     q = jnp.asarray(rng.standard_normal((S, H, D)).astype(np.float32), dtype)
     k = jnp.asarray(rng.standard_normal((N, HK, D)).astype(np.float32), dtype)
-    if "cu_q" in case:
-        idx = packed_indices(rng, S=S, N=N, HK=HK, T=T, cu_q=case["cu_q"], cu_k=case["cu_k"], q_start=qs,
-                             k_stride=ks, causal=causal)
-    else:
-        idx = jnp.asarray(rng.integers(-2, N + 2, (S, HK, T)).astype(np.int32))
-    qs = qs if isinstance(qs, int) else i32(qs)
-    rule = dict(sm_scale=float(D ** -0.5), causal=causal, q_start_index=qs, k_stride=ks, lse_base="e")
+    idx = case_indices(rng, case, HK)
+    rule = dict(sm_scale=float(D ** -0.5), causal=case.get("causal", True), q_start_index=case_q_start(case),
+                k_stride=case.get("k_stride", 1), lse_base="e")
     pk = packing_kwargs(case)
     # exact lse over the §6 valid set; a finite 0 where a row has none, so
     # that a row which §6 empties would show up if it were not masked
-    lse = oracle.exact_lse(q, k, idx, **rule, empty_value=0.0, **oracle_kwargs(pk))
+    lse = oracle.exact_lse(q, k, idx, **rule, empty_value=0.0, **pk)
     return q, k, idx, jnp.asarray(lse.astype(np.float32)), rule, pk
 
 
@@ -146,7 +152,7 @@ def no_owner_rows(case):
 def test_attn_dist_matches_float64(case):
     q, k, idx, lse, rule, pk = attn_problem(case)
     got = np.asarray(traced_call(attn_dist, (q, k, idx, lse), rule, pk))
-    want = oracle.attn_dist_oracle(q, k, idx, lse, **rule, **oracle_kwargs(pk))
+    want = oracle.attn_dist_oracle(q, k, idx, lse, **rule, **pk)
     assert got.shape == want.shape
     if np.abs(want).max() == 0:
         assert np.all(got == 0)
@@ -160,7 +166,7 @@ def test_attn_dist_matches_float64(case):
     unpacked = oracle.valid_mask(np.asarray(idx)[None], case["N"], causal=False, q_start_index=0, k_stride=1)
     packed = oracle.valid_mask(np.asarray(idx)[None], case["N"], causal=rule["causal"],
                                q_start_index=np.asarray(rule["q_start_index"]), k_stride=rule["k_stride"],
-                               **oracle_kwargs(pk))
+                               **pk)
     if case["name"] not in ("no-sequences", "topk-alone-full", "bad-everything"):
         assert packed.any() and (unpacked & ~packed).any()
 
@@ -191,15 +197,9 @@ def indexer_problem(case, *, dtype=F32, HI=4, DI=16):
     S, N, T = case["S"], case["N"], case["T"]
     seed = seed_of("packed-indexer", case["name"])
     iq, ik, w, _, tgt, kw = make_indexer_inputs(seed, S=S, HI=HI, DI=DI, N=N, T=T, dtype=dtype, zero_rows=0.1)
-    rng = np.random.default_rng(seed)
-    ks, causal, qs = case.get("k_stride", 1), case.get("causal", True), case.get("q_start", 0)
-    if "cu_q" in case:
-        idx = packed_indices(rng, S=S, N=N, HK=1, T=T, cu_q=case["cu_q"], cu_k=case["cu_k"], q_start=qs,
-                             k_stride=ks, causal=causal)
-    else:
-        idx = jnp.asarray(rng.integers(-2, N + 2, (S, 1, T)).astype(np.int32))
-    rule = dict(scale=kw["scale"], causal=causal, q_start_index=qs if isinstance(qs, int) else i32(qs),
-                k_stride=ks)
+    idx = case_indices(np.random.default_rng(seed), case)
+    rule = dict(scale=kw["scale"], causal=case.get("causal", True), q_start_index=case_q_start(case),
+                k_stride=case.get("k_stride", 1))
     return iq, ik, w, idx, tgt, rule, packing_kwargs(case)
 
 
@@ -207,7 +207,7 @@ def indexer_problem(case, *, dtype=F32, HI=4, DI=16):
 def test_indexer_kl_matches_float64(case):
     iq, ik, w, idx, tgt, rule, pk = indexer_problem(case)
     got = np.asarray(traced_call(indexer_kl, (iq, ik, w, idx, tgt), rule, pk))
-    want = oracle.indexer_kl_oracle(iq, ik, w, idx, tgt, **rule, **oracle_kwargs(pk))
+    want = oracle.indexer_kl_oracle(iq, ik, w, idx, tgt, **rule, **pk)
     oracle.assert_indexer_close(got, want)
     for s in no_owner_rows(case):
         assert got[s] == 0.0
@@ -226,13 +226,11 @@ def test_indexer_loss_equals_indexer_kl_on_the_packed_target(name):
     mass = dist.sum(axis=-3)
     total = mass.sum(-1, keepdims=True)
     target = jnp.where(total > 0, mass / jnp.where(total > 0, total, 1), 0.0)
-    krule = dict(scale=irule["scale"], causal=rule["causal"], q_start_index=rule["q_start_index"],
-                 k_stride=rule["k_stride"])
-    want = indexer_kl(iq, ik, w, idx, target, **krule, **pk)
+    want = indexer_kl(iq, ik, w, idx, target, **irule, **pk)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)  # jitted vs eager target: float32 rounding
-    m64 = oracle.attn_dist_oracle(q, k, idx, lse, **rule, **oracle_kwargs(pk)).sum(axis=-3)
+    m64 = oracle.attn_dist_oracle(q, k, idx, lse, **rule, **pk).sum(axis=-3)
     t64 = m64 / np.where(m64.sum(-1, keepdims=True) > 0, m64.sum(-1, keepdims=True), 1)
-    oracle.assert_indexer_close(got, oracle.indexer_kl_oracle(iq, ik, w, idx, t64, **krule, **oracle_kwargs(pk)))
+    oracle.assert_indexer_close(got, oracle.indexer_kl_oracle(iq, ik, w, idx, t64, **irule, **pk))
     assert np.abs(np.asarray(got)).max() > 1e-3
 
 
@@ -261,7 +259,7 @@ def test_attn_dist_gradients_match_the_unpacked_call_on_masked_indices(name):
     q, k, idx, lse, rule, pk = attn_problem(case)
     valid = oracle.valid_mask(np.asarray(idx)[None], case["N"], causal=rule["causal"],
                               q_start_index=np.asarray(rule["q_start_index"]), k_stride=rule["k_stride"],
-                              **oracle_kwargs(pk))[0]
+                              **pk)[0]
     masked = jnp.asarray(np.where(valid, np.asarray(idx), -1).astype(np.int32))
     cot = jnp.asarray(np.random.default_rng(seed_of("packed-cot", name)).standard_normal((1, case["S"], case["T"])),
                       F32)
@@ -279,7 +277,7 @@ def test_indexer_gradients_match_float64(name):
     g = jnp.asarray(np.random.default_rng(seed_of("packed-igrad", name)).standard_normal(case["S"]), F32)
     got = jax.jit(jax.grad(lambda a, b, c: jnp.sum(g * indexer_kl(a, b, c, idx, tgt, **rule, **pk)),
                            argnums=(0, 1, 2)))(iq, ik, w)
-    want = oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, **rule, **oracle_kwargs(pk))
+    want = oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, **rule, **pk)
     for nm, a, o in zip(("d_index_q", "d_index_k", "d_weights"), got, want):
         assert_grad_close(a, o, nm, 2e-5, 2e-6)
     for s in no_owner_rows(case):
@@ -373,7 +371,7 @@ def test_s_sharded_equals_unsharded(grad):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
     if not grad:
         oracle.assert_within_spec(out[0], oracle.attn_dist_oracle(q, k, idx, lse, q_start_index=np.asarray(qs),
-                                                                  **rule, **oracle_kwargs(pk)))
+                                                                  **rule, **pk))
 
 
 # ----------------------------------------------------------------------------
@@ -486,9 +484,7 @@ def test_cu_seqlens_need_unbatched_inputs():
 
 
 def test_traced_wide_cu_seqlens_rejected():
-    if not jax.config.x64_enabled:
-        pytest.skip("int64 arrays need jax_enable_x64")
-    with pytest.raises(TypeError, match="a traced `cu_seqlens_q` must be int32"):
+    with jax.enable_x64(True), pytest.raises(TypeError, match="a traced `cu_seqlens_q` must be int32"):
         jax.jit(lambda c: attn_dist(*_attn_args(), sm_scale=0.1, cu_seqlens_q=c, cu_seqlens_k=CU))(
             CU.astype(jnp.int64))
 
@@ -573,7 +569,7 @@ def test_row_ranges_match_oracle_on_random_boundaries(seed, fused, monkeypatch):
             ranges = packing.row_ranges(packed, S=S, N=N, T=T, causal=causal, k_stride=ks)
             got = np.asarray(_chunks.in_row_ranges(jnp.asarray(idx), ranges, N=N))
             want = oracle.valid_mask(idx[None], N, causal=causal, q_start_index=q_start, k_stride=ks,
-                                     **oracle_kwargs(pk))[0]
+                                     **pk)[0]
             np.testing.assert_array_equal(got, want, err_msg=f"causal={causal} k_stride={ks}")
 
 

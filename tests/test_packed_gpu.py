@@ -19,7 +19,7 @@ import kernel_cases
 from indexer_cases import assert_bwd_within_bound
 from inputs import INT32_MAX, INT32_MIN, make_indexer_inputs, seed_of
 from jax_attn_dist import _contract, attn_dist, indexer_kl, oracle
-from test_packed import CASES, attn_problem, indexer_problem, no_owner_rows, oracle_kwargs, traced_call
+from test_packed import CASES, attn_problem, indexer_problem, no_owner_rows, traced_call
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def test_attn_dist_kernel_on_packed_inputs(case):
     text = jax.jit(lambda *a: fn(*a, **rule, **pk)).lower(q, k, idx, lse).as_text()
     assert _contract.FFI_TARGET in text
     got = np.asarray(traced_call(fn, (q, k, idx, lse), rule, pk))
-    want = oracle.attn_dist_oracle(q, k, idx, lse, **rule, **oracle_kwargs(pk))
+    want = oracle.attn_dist_oracle(q, k, idx, lse, **rule, **pk)
     if np.abs(want).max() == 0:
         assert np.all(got == 0)
     else:
@@ -55,7 +55,7 @@ def test_indexer_kernels_on_packed_inputs(case, deterministic):
     iq, ik, w, idx, tgt, rule, pk = indexer_problem(case, dtype=BF16, HI=64, DI=128)
     fn = functools.partial(indexer_kl, implementation="cuda", deterministic=deterministic)
     got = np.asarray(traced_call(fn, (iq, ik, w, idx, tgt), rule, pk))
-    oracle.assert_indexer_close(got, oracle.indexer_kl_oracle(iq, ik, w, idx, tgt, **rule, **oracle_kwargs(pk)))
+    oracle.assert_indexer_close(got, oracle.indexer_kl_oracle(iq, ik, w, idx, tgt, **rule, **pk))
     for s in no_owner_rows(case):
         assert got[s] == 0.0
     g = jnp.asarray(np.random.default_rng(seed_of("packed-gpu-grad", case["name"])).standard_normal(case["S"]),
@@ -64,7 +64,7 @@ def test_indexer_kernels_on_packed_inputs(case, deterministic):
     assert _contract.FFI_INDEXER_BWD in grad.lower(iq, ik, w).as_text()
     got_g = grad(iq, ik, w)
     assert_bwd_within_bound(got_g, *oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, **rule, magnitudes=True,
-                                                                **oracle_kwargs(pk)))
+                                                                **pk))
     if deterministic:
         for a, b in zip(got_g, grad(iq, ik, w)):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

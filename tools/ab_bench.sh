@@ -6,6 +6,8 @@
 # drift during the call favours one side.
 #   git archive OLD -o .whl/old.tar                      # here
 #   ROUNDS=3 tools/ab_bench.sh .whl/old.tar OLD NEW idx-v32 ...   # on the device, OUT set
+# Both sides run this checkout's benchmarks/bench.py (one harness, so only the
+# package differs); a shape the old package cannot serve fails its side.
 # Writes $OUT/ab.json (every round's rows, both sides); the comparison is printed.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
