@@ -121,7 +121,7 @@ def sweep_cases(count: int = 64, seed: int = 2026):
     rng = np.random.default_rng(seed)
     axes = dict(
         T=[1, 63, 64, 65, 127, 200, 2048, 2049],
-        H=[1, 16, 32, 64, 96, 128],
+        H=[1, 16, 32, 64, 72, 96, 128, 160],
         D=list(_contract.KERNEL_HEAD_DIMS),
         B=[None, 1, 3],
         causal=[True, False],

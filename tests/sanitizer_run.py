@@ -27,7 +27,7 @@ import kernel_cases
 
 ATTN_DIST = [
     kernel_cases.Case(S=2, H=128, T=2048, D=576, N=3000, invalid_fraction=0.3, seed=1),   # full blocks, 2 groups
-    kernel_cases.Case(S=3, H=96, T=200, D=576, N=500, B=3, per_batch_q_start=True, seed=2),  # partial H, T, batched
+    kernel_cases.Case(S=3, H=96, T=200, D=576, N=500, B=3, per_batch_q_start=True, seed=2),  # 96-head tile, batched
     kernel_cases.Case(S=2, H=16, T=65, D=512, N=100, k_stride=4, lse_base="e", seed=3),   # tiny H, one slot past
     kernel_cases.Case(S=2, H=64, T=2049, D=512, N=5000, causal=False, seed=4),            # 64-head tile, T odd
     kernel_cases.Case(S=4, H=1, T=1, D=576, N=10, B=1, seed=5),                           # minimal
@@ -36,6 +36,8 @@ ATTN_DIST = [
     # More CTAs than SMs, so each asks L2 for its successor's rows (HT = 128
     # with a partial second head tile, across the batch boundary).
     kernel_cases.Case(S=150, H=160, T=130, D=576, N=700, B=2, per_batch_q_start=True, seed=8),
+    # The 96-head tile with a partial second group, more CTAs than SMs.
+    kernel_cases.Case(S=300, H=72, T=200, D=512, N=900, causal=False, seed=9),
 ]
 
 INDEXER = [

@@ -61,6 +61,8 @@ CASES = [
     (576, 16, 64, 2, False, 1, "2"),
     (576, 1, 64, None, True, 1, "2"),
     (576, 200, 65, None, True, 1, "e"),
+    (576, 72, 130, 2, False, 1, "2"),  # 96-head tile, partial second group
+    (512, 65, 64, None, True, 4, "e"),  # 96-head tile, one head in the second group
 ]
 
 

@@ -3,7 +3,7 @@
 //
 // Orientation (differs from the seed design, which put heads on M): each WGMMA is
 //   acc[key, head] (+)= K_tile[key, d] . Q_tile[head, d]
-// with M = 64 gathered keys and N = the CTA's head tile (64 or 128). Summing
+// with M = 64 gathered keys and N = the CTA's head tile (64, 96 or 128). Summing
 // over heads is then a sum along each accumulator ROW: 16/32 adds in a
 // thread's registers and two quad shuffles, in a fixed order (deterministic),
 // instead of a column reduction with shared-memory atomics. It also lets one
@@ -36,16 +36,23 @@ constexpr int kProducerRegs = 80;
 static_assert((kNumConsumers * kConsumerRegs + kProducerRegs) * kWarpgroupThreads <= kLaunchRegs * kThreads,
               "setmaxnreg budgets exceed the CTA's register allocation");
 
-// D: head dim (512 or 576). HT: heads per CTA (64 or 128).
+// D: head dim (512 or 576). HT: heads per CTA (64, 96 or 128).
+//
+// HT = 96 serves 64 < H <= 96 without the masked quarter of a 128-head tile's
+// tensor work (WGMMA N = 96). Its tile holds one whole 64-head group and part
+// of the next, so it is valid only where one tile covers all heads
+// (kTilesAlignGroups; the launcher checks).
 template <int D_, int HT_>
 struct Config {
   static constexpr int D = D_;
   static constexpr int HT = HT_;
   static constexpr int kDimTiles = D / kDimTile;
-  static constexpr int kGroupsPerTile = HT / kHeadsPerGroup;
+  static constexpr int kGroupsPerTile = (HT + kHeadsPerGroup - 1) / kHeadsPerGroup;
+  static constexpr bool kTilesAlignGroups = HT % kHeadsPerGroup == 0;
   static __host__ __device__ constexpr int num_head_tiles(int heads) { return (heads + HT - 1) / HT; }
   static_assert(D % kDimTile == 0, "D must be a multiple of 64");
-  static_assert(HT == 64 || HT == 128, "head tile is 64 or 128");
+  static_assert(HT == 64 || HT == 96 || HT == 128, "head tile is 64, 96 or 128");
+  static_assert(kGroupsPerTile <= 2, "the store gives each quad lane one (row, group) pair: at most 2 groups");
 
   // Q: the CTA's head tile, all D dims, K-major with the 128-byte swizzle;
   // mode 2 picks the 64-dim tile. Written by TMA (SWIZZLE_128B), read by WGMMA.

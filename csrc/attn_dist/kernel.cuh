@@ -176,6 +176,7 @@ __device__ __forceinline__ void softmax_sum_store(const Acc& acc, const float (&
       CUTE_UNROLL
       for (int jj = 0; jj < kColGroupsPerHeadGroup; ++jj) {
         const int j = gi * kColGroupsPerHeadGroup + jj;
+        if (j >= Cfg::HT / 8) break;  // HT = 96: the second group has 32 columns in the tile
         CUTE_UNROLL
         for (int e = 0; e < 2; ++e) sum += fast_exp2(fmaf(acc(4 * j + 2 * rh + e), p.scale_log2, neg_lse[j][e]));
       }
@@ -307,6 +308,10 @@ LaunchStatus run_variant(const AttnDistParams& p, cudaStream_t stream, const cha
     *detail = "empty or invalid problem (B, S, T and H must be >= 1): nothing to launch";
     return LaunchStatus::kInvalidProblem;
   }
+  if (!Cfg::kTilesAlignGroups && Cfg::num_head_tiles(p.h_q) > 1) {
+    *detail = "internal: a head tile that splits a 64-head group serves only H <= HT";
+    return LaunchStatus::kInvalidProblem;
+  }
   TmaParams tma{};
   if (LaunchStatus s = encode_head_tile_map(&tma.q, p.q, Cfg::D, p.h_q, p.s_q, p.batch, Cfg::HT, detail);
       s != LaunchStatus::kOk)
@@ -315,10 +320,11 @@ LaunchStatus run_variant(const AttnDistParams& p, cudaStream_t stream, const cha
   // (docs/PERFORMANCE.md §8): -5 % at v32-h128 and h96, where K (9 MiB) and
   // every SM's prefetched Q fit in L2 together; +6 % at N = 128k, where the
   // prefetched Q takes L2 from the key rows' reuse; no change at HT = 64.
+  // HT = 96 has the 128-head tile's short ring and long Q wait (§11).
   AttnDistParams launch = p;
   const int64_t key_bytes = int64_t(p.batch) * p.s_kv * Cfg::D * int64_t(sizeof(bf16));
   const int64_t prefetched_q_bytes = int64_t(device_sm_count()) * Cfg::kQBytes;
-  launch.prefetch_next_cta = Cfg::HT == 128 && key_bytes + prefetched_q_bytes <= device_l2_bytes();
+  launch.prefetch_next_cta = Cfg::HT > 64 && key_bytes + prefetched_q_bytes <= device_l2_bytes();
   return launch_kernel(&attn_dist_kernel<Cfg>, int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q), kThreads,
                        Cfg::kSmemBytes,
                        stream, detail, launch, tma);

@@ -10,9 +10,11 @@ LaunchStatus run_variant(const AttnDistParams& params, cudaStream_t stream, cons
 
 template <int D>
 static LaunchStatus run_dim(const AttnDistParams& p, cudaStream_t stream, const char** detail) {
-  // Up to 64 heads: one 64-head tile. More: 128-head tiles, so that a token's
-  // K rows are gathered once for two head groups.
+  // Up to 64 heads: one 64-head tile. Up to 96: one 96-head tile, which does
+  // not compute the 128-head tile's masked columns. More: 128-head tiles, so
+  // that a token's K rows are gathered once for two head groups.
   if (p.h_q <= 64) return run_variant<Config<D, 64>>(p, stream, detail);
+  if (p.h_q <= 96) return run_variant<Config<D, 96>>(p, stream, detail);
   return run_variant<Config<D, 128>>(p, stream, detail);
 }
 

@@ -1,0 +1,3 @@
+#include "../kernel.cuh"
+
+ATTN_DIST_INSTANTIATE(576, 96)
