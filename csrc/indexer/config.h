@@ -8,7 +8,7 @@
 // quad shuffles, in a fixed order. HI > HT runs several head tiles over the
 // same resident key stages.
 //
-// Several CTAs share an SM (three where the heads fit one tile, else two;
+// Several CTAs share an SM (four where the heads fit one tile, else two;
 // each within its share of the shared memory): one CTA's pipeline fill and
 // final reduction overlap the others' streaming. A row gathers T * DI * 2
 // bytes (512 KiB at T = 2048, DI = 128), a few microseconds per CTA, so that
@@ -32,8 +32,11 @@ namespace indexer {
 // SM: their consumers alternate between GEMM and epilogue, and their warps
 // hide each other's latencies. ncu on idx-v32 at two CTAs per SM (16 warps):
 // 2.1 instructions issued per cycle, the largest stalls on global loads and
-// fixed-latency dependencies. Three CTAs fit where the head tiles are one
-// (80 registers: __launch_bounds__(256, 3) allows 85; 75 KiB of shared memory).
+// fixed-latency dependencies. Where the head tiles are one, four CTAs fit:
+// 64 registers a thread at launch, which setmaxnreg splits 40 (producer) /
+// 88 (consumer), and 56 KiB of shared memory (at DI = 128: 4 ring stages, two
+// blocks). Four took 6-11 % less time than three CTAs of 7 stages
+// (docs/PERFORMANCE.md §12).
 constexpr int kNumConsumers = 1;
 constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;  // + the producer
 constexpr int kConsumerWarps = kNumConsumers * 4;
@@ -69,7 +72,12 @@ struct Config {
   static constexpr int kQBytes = kMaxHeads * DI * int(sizeof(bf16));
   static constexpr int kQTileBytes = HT * kDimTile * int(sizeof(bf16));
 
-  static constexpr int kCtasPerSm = kMaxHeadTiles == 1 ? 3 : 2;
+  static constexpr int kCtasPerSm = kMaxHeadTiles == 1 ? 4 : 2;
+  // setmaxnreg budgets (0: none; the 2-CTA variants have 128 registers a
+  // thread at launch).
+  static constexpr int kProducerRegs = kCtasPerSm == 4 ? 40 : 0;
+  static constexpr int kConsumerRegs = kCtasPerSm == 4 ? 88 : 0;
+  static_assert(kCtasPerSm * kWarpgroupThreads * (kProducerRegs + kConsumerRegs) <= 64 * 1024, "registers");
   static constexpr int kSmemBudget = smem_budget(kCtasPerSm);
   static constexpr int kMiscBytes = 1024;  // barriers, weights' tail, the reduction scratch (rounded up)
   static constexpr int kStages =

@@ -18,6 +18,7 @@
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include "../common/gather.cuh"
 #include "../common/host.h"
@@ -390,8 +391,10 @@ __global__ void __launch_bounds__(kThreads, Cfg::kCtasPerSm)
   auto& plan = init_plan<Cfg>(smem_raw);
 
   if (warpgroup == kNumConsumers) {
+    if constexpr (Cfg::kProducerRegs > 0) cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     produce_row<Cfg, kSlotLookahead>(plan, params, tma, cta, thread_in_wg);
   } else {
+    if constexpr (Cfg::kConsumerRegs > 0) cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     load_row_weights<Cfg>(plan, params, cta);
     consume_blocks<Cfg>(plan, params, cta, warpgroup, thread_in_wg);
   }
