@@ -126,12 +126,12 @@ __device__ __forceinline__ CtaProblem locate_cta(const IndexerProblemParams& p) 
 // indices of the row of the CTA that takes this one's place next
 // (common/prefetch.cuh), so that its first blocks start from L2.
 __device__ __forceinline__ void prefetch_row(const IndexerProblemParams& p, const CtaProblem& c, int resident) {
-  const int64_t row_bytes = int64_t(p.topk) * 4;
-  const int64_t live_bytes = int64_t(c.slots.topk) * 4;  // slots past topk_length are never read
-  const int64_t size = int64_t(p.batch) * p.s_q * row_bytes;
-  prefetch_to_l2(p.indices, size, c.row * row_bytes, c.row * row_bytes + live_bytes);
-  prefetch_to_l2(p.target, size, c.row * row_bytes, c.row * row_bytes + live_bytes);
-  prefetch_to_l2(p.indices, size, (c.row + resident) * row_bytes, (c.row + resident + 1) * row_bytes);
+  const int64_t total = int64_t(p.batch) * p.s_q * p.topk;
+  const int64_t first = int64_t(c.row) * p.topk;
+  // Slots past topk_length (c.slots.topk) are never read.
+  prefetch_elems_to_l2(p.indices, total, first, c.slots.topk);
+  prefetch_elems_to_l2(p.target, total, first, c.slots.topk);
+  prefetch_elems_to_l2(p.indices, total, first + int64_t(resident) * p.topk, p.topk);
 }
 
 template <class Cfg>
