@@ -50,7 +50,7 @@ declare -A patches=(  # variant: "file|sed" entries, separated by newlines
 $gather6"
 )
 variants=("$@")
-[ ${#variants[@]} -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ ${#variants[@]} -gt 0 ] || { sed -n '2,/^set /{/^#/p}' "$0"; exit 2; }
 read -r -a shapes <<< "${SHAPES:-idx-v32}"
 # Every patch must change its file, or the variant would time the shipped code.
 patch_tree() {  # variant, tree
@@ -67,19 +67,21 @@ patch_tree() {  # variant, tree
 for v in "${variants[@]}"; do [ -v "patches[$v]" ] || { echo "unknown variant $v"; exit 2; }; done
 [ -n "${PATCH_ONLY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
   .whl/nvidia_cutlass*.whl
-build() {
-  rm -rf "/tmp/v_$1" && mkdir -p "/tmp/v_$1" && cp -r "$src"/csrc "/tmp/v_$1/" || return 1
-  [ -n "${PATCH_ONLY:-}" ] || { cp -r "$src"/. "/tmp/v_$1/" && rm -rf "/tmp/v_$1/build"; } || return 1
+build() {  # into /tmp/ab_VARIANT, which exists only if this build succeeded
+  rm -rf "/tmp/v_$1" "/tmp/ab_$1" && mkdir -p "/tmp/v_$1" || return 1
+  if [ -n "${PATCH_ONLY:-}" ]; then cp -r "$src"/csrc "/tmp/v_$1/"; else cp -r "$src"/. "/tmp/v_$1/" && rm -rf "/tmp/v_$1/build"; fi ||
+    return 1
   patch_tree "$1" "/tmp/v_$1" || return 1
   [ -z "${PATCH_ONLY:-}" ] || return 0
   (cd "/tmp/v_$1" && PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps \
-     --target "/tmp/ab_$1" . > "/tmp/b_$1.log" 2>&1) || { tail -20 "/tmp/b_$1.log"; return 1; }
+     --target "/tmp/ab_$1" . > "/tmp/b_$1.log" 2>&1) || { tail -20 "/tmp/b_$1.log"; rm -rf "/tmp/ab_$1"; return 1; }
 }
 for v in "${variants[@]}"; do build "$v" & done
 wait
 [ -z "${PATCH_ONLY:-}" ] || exit 0
 for round in 1 2; do
   for v in "${variants[@]}"; do
+    [ -d "/tmp/ab_$v" ] || { echo "$v: not built, not timed"; continue; }
     (cd /tmp && PYTHONPATH="/tmp/ab_$v:/tmp/site" JAX_ATTN_DIST_COMMIT="$v" timeout 300 python3 \
        "$src/benchmarks/bench.py" --no-xla --shapes "${shapes[@]}" --json "/tmp/$v$round.json" > "/tmp/$v$round.log" 2>&1) \
       || { tail -5 "/tmp/$v$round.log"; continue; }
