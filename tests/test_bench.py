@@ -58,3 +58,22 @@ def test_packed_layout_keeps_every_slot_valid():
                               cu_seqlens_q=np.asarray(cu_q), cu_seqlens_k=np.asarray(cu_k))
     assert valid.all()
     assert list(np.asarray(cu_q)) == [0, 16, 32, 48, 64] and list(np.asarray(cu_k)) == [0, 24, 48, 72, 96]
+
+
+def test_ncu_stall_summary_reads_a_recorded_profile():
+    """tools/ncu_stalls.py on session 14's recorded profiles (PERFORMANCE.md §19):
+    the shipped backward's consumer spends about 30 % of its samples issuing
+    reductions; the build without reductions has no such loop."""
+    import subprocess
+    import sys
+
+    def run(name):
+        path = os.path.join(ROOT, "benchmarks", "results", f"ncu_session14_bwd_source_{name}.csv.gz")
+        return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "ncu_stalls.py"), path, "--top", "3"],
+                              check=True, capture_output=True, text=True).stdout
+
+    shipped, no_reductions = run("shipped"), run("share_0")
+    line = next(l for l in shipped.splitlines() if l.startswith("reduction-issue loop"))
+    assert "30.1 % of the consumer's" in line, shipped
+    assert "reduction-issue loop" not in no_reductions, no_reductions
+    assert no_reductions.startswith("samples 132960: consumer 54.4 %"), no_reductions

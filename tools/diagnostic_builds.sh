@@ -6,6 +6,7 @@
 # device, in the repo root:
 #   [SHAPES="idx-v32 ..."] bash tools/diagnostic_builds.sh VARIANT ...
 # PATCH_ONLY=1 (anywhere): patch the copies in /tmp/v_VARIANT and stop.
+# BUILD_ONLY=1: build each variant into /tmp/ab_VARIANT and stop (for ncu).
 # Variants (indexer backward unless said):
 #   shipped        this tree
 #   share_5_6      float32 mode: reduce 5/6 of the slots' dK rows (§14)
@@ -20,6 +21,9 @@
 #   gather6        every 6th slot zero-filled instead of gathered, in the
 #                  pipeline attn_dist shares (§16)
 #   both6          red6 and gather6 (§16)
+#   no_wait        float32 mode: no wait for the last block's reductions to
+#                  have read the dK staging rows before they are rewritten
+#   det_no_wait    deterministic mode: likewise for its chunk buffers
 # Prints, per variant, round and shape, the kernel times the rows carry.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=4
@@ -48,6 +52,8 @@ declare -A patches=(  # variant: "file|sed" entries, separated by newlines
   [gather6]="$gather6"
   [both6]="$red6
 $gather6"
+  [no_wait]="$bwd|s/if (reducer) wait_reductions_read();/;/"
+  [det_no_wait]="$bwd|s/if (reducer) wait_reductions_read<Cfg::kFixedBuffers - 1>();/;/"
 )
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || { sed -n '2,/^set /{/^#/p}' "$0"; exit 2; }
@@ -78,7 +84,7 @@ build() {  # into /tmp/ab_VARIANT, which exists only if this build succeeded
 }
 for v in "${variants[@]}"; do build "$v" & done
 wait
-[ -z "${PATCH_ONLY:-}" ] || exit 0
+[ -z "${PATCH_ONLY:-}${BUILD_ONLY:-}" ] || exit 0
 for round in 1 2; do
   for v in "${variants[@]}"; do
     [ -d "/tmp/ab_$v" ] || { echo "$v: not built, not timed"; continue; }
