@@ -22,8 +22,8 @@
 #                  pipeline attn_dist shares (§16)
 #   both6          red6 and gather6 (§16)
 #   no_wait        float32 mode: no wait for the last block's reductions to
-#                  have read the dK staging rows before they are rewritten
-#   det_no_wait    deterministic mode: likewise for its chunk buffers
+#                  have read the dK staging rows before they are rewritten (§19)
+#   det_no_wait    deterministic mode: likewise for its chunk buffers (§19)
 # Prints, per variant, round and shape, the kernel times the rows carry.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=4
