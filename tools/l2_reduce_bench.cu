@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #define CHECK(x)                                                                        \
@@ -42,47 +43,44 @@
 
 constexpr int kDI = 128;
 constexpr int kThreads = 128;
-constexpr int kSourceRows = 64;  // shared-memory source rows of the bulk variants (the backward's block)
 constexpr int kPendingGroups = 8;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
-__global__ void __launch_bounds__(kThreads) bulk_f32(float* plane, const int* keys, int64_t rows) {
-  __shared__ alignas(128) float src[kSourceRows][kDI];
-  for (int i = threadIdx.x; i < kSourceRows * kDI; i += kThreads) (&src[0][0])[i] = 1e-3f * float(i % 7);
+// Rows first, first + stride, ... of `keys`: the thread adds a row of a
+// 32 KiB shared source to plane[key] by one bulk reduction (512 bytes of
+// float32 or 1 KiB of int64), at most kPendingGroups groups unread.
+template <class T>
+__device__ __forceinline__ void bulk_reduce_rows(T* plane, const int* keys, int64_t rows, int64_t first,
+                                                 int64_t stride) {
+  constexpr int kRows = 32 * 1024 / int(kDI * sizeof(T));
+  __shared__ alignas(128) T src[kRows][kDI];
+  for (int i = threadIdx.x; i < kRows * kDI; i += kThreads)
+    (&src[0][0])[i] = std::is_same_v<T, float> ? T(1e-3f * float(i % 7)) : T(i % 7);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
   int n = 0;
-  for (int64_t r = int64_t(blockIdx.x) * kThreads + threadIdx.x; r < rows; r += stride) {
-    const int key = __ldg(keys + r);
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
-                     plane + int64_t(key) * kDI),
-                 "r"(smem_addr(src[threadIdx.x % kSourceRows])), "r"(kDI * 4)
-                 : "memory");
+  for (int64_t r = first; r < rows; r += stride) {
+    T* dst = plane + int64_t(__ldg(keys + r)) * kDI;
+    const uint32_t row = smem_addr(src[threadIdx.x % kRows]);
+    if constexpr (std::is_same_v<T, float>)
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(row),
+                   "r"(kDI * 4)
+                   : "memory");
+    else
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;" ::"l"(dst), "r"(row),
+                   "r"(kDI * 8)
+                   : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     if (++n % kPendingGroups == 0) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPendingGroups) : "memory");
   }
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-__global__ void __launch_bounds__(kThreads) bulk_u64(long long* plane, const int* keys, int64_t rows) {
-  __shared__ alignas(128) long long src[kSourceRows / 2][kDI];  // 32 KiB, as bulk_f32's
-  for (int i = threadIdx.x; i < kSourceRows / 2 * kDI; i += kThreads) (&src[0][0])[i] = i % 7;
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncthreads();
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  int n = 0;
-  for (int64_t r = int64_t(blockIdx.x) * kThreads + threadIdx.x; r < rows; r += stride) {
-    const int key = __ldg(keys + r);
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;" ::"l"(
-                     plane + int64_t(key) * kDI),
-                 "r"(smem_addr(src[threadIdx.x % (kSourceRows / 2)])), "r"(kDI * 8)
-                 : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    if (++n % kPendingGroups == 0) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPendingGroups) : "memory");
-  }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+// bulk_f32 (T = float) and bulk_u64 (T = long long).
+template <class T>
+__global__ void __launch_bounds__(kThreads) bulk_rows(T* plane, const int* keys, int64_t rows) {
+  bulk_reduce_rows(plane, keys, rows, int64_t(blockIdx.x) * kThreads + threadIdx.x, int64_t(gridDim.x) * kThreads);
 }
 
 // One warp per row from here on.
@@ -118,25 +116,10 @@ __global__ void __launch_bounds__(kThreads) warp_rows(void* plane_v, const int* 
 // 1: reduce only, 2: read only, 3: both.
 __global__ void __launch_bounds__(kThreads) mixed(float* plane, const uint2* rows_bf16, const int* keys, int64_t rows,
                                                   int roles, float* sink) {
-  __shared__ alignas(128) float src[kSourceRows][kDI];
   const int half = gridDim.x / 2;
   if (blockIdx.x < half) {
-    if (!(roles & 1)) return;
-    for (int i = threadIdx.x; i < kSourceRows * kDI; i += kThreads) (&src[0][0])[i] = 1e-3f * float(i % 7);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    const int64_t stride = int64_t(half) * kThreads;
-    int n = 0;
-    for (int64_t r = int64_t(blockIdx.x) * kThreads + threadIdx.x; r < rows; r += stride) {
-      const int key = __ldg(keys + r);
-      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
-                       plane + int64_t(key) * kDI),
-                   "r"(smem_addr(src[threadIdx.x % kSourceRows])), "r"(kDI * 4)
-                   : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      if (++n % kPendingGroups == 0) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPendingGroups) : "memory");
-    }
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if (roles & 1)
+      bulk_reduce_rows(plane, keys, rows, int64_t(blockIdx.x) * kThreads + threadIdx.x, int64_t(half) * kThreads);
   } else {
     if (!(roles & 2)) return;
     const int lane = threadIdx.x % 32;
@@ -169,6 +152,24 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
+  // The best of 3 timed launches after a warm-up, each from a zeroed plane.
+  auto best_of_3 = [&](void* plane, size_t plane_bytes, auto&& launch) {
+    CHECK(cudaMemset(plane, 0, plane_bytes));
+    launch();
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    float best = 1e30f;
+    for (int rep = 0; rep < 3; ++rep) {
+      CHECK(cudaEventRecord(start));
+      launch();
+      CHECK(cudaEventRecord(stop));
+      CHECK(cudaEventSynchronize(stop));
+      float ms = 0.f;
+      CHECK(cudaEventElapsedTime(&ms, start, stop));
+      best = ms < best ? ms : best;
+    }
+    return best;
+  };
   for (int num_keys : {8192, 131072}) {
     std::uniform_int_distribution<int> pick(0, num_keys - 1);
     std::vector<int> keys(rows);
@@ -187,28 +188,15 @@ int main(int argc, char** argv) {
         void (*launch)(int, void*, const int*, int64_t);
       };
       const Variant variants[] = {
-          {"bulk_f32", kDI * 4.0, [](int g, void* p, const int* k, int64_t r) { bulk_f32<<<g, kThreads>>>(static_cast<float*>(p), k, r); }},
+          {"bulk_f32", kDI * 4.0, [](int g, void* p, const int* k, int64_t r) { bulk_rows<<<g, kThreads>>>(static_cast<float*>(p), k, r); }},
           {"red_v4", kDI * 4.0, [](int g, void* p, const int* k, int64_t r) { warp_rows<0><<<g, kThreads>>>(p, k, r); }},
           {"red_f32", kDI * 4.0, [](int g, void* p, const int* k, int64_t r) { warp_rows<1><<<g, kThreads>>>(p, k, r); }},
-          {"bulk_u64", kDI * 8.0, [](int g, void* p, const int* k, int64_t r) { bulk_u64<<<g, kThreads>>>(static_cast<long long*>(p), k, r); }},
+          {"bulk_u64", kDI * 8.0, [](int g, void* p, const int* k, int64_t r) { bulk_rows<<<g, kThreads>>>(static_cast<long long*>(p), k, r); }},
           {"red_u64", kDI * 8.0, [](int g, void* p, const int* k, int64_t r) { warp_rows<2><<<g, kThreads>>>(p, k, r); }},
           {"store_v4", kDI * 4.0, [](int g, void* p, const int* k, int64_t r) { warp_rows<3><<<g, kThreads>>>(p, k, r); }},
       };
       for (const Variant& v : variants) {
-        CHECK(cudaMemset(d_plane, 0, plane_bytes));
-        v.launch(grid, d_plane, d_keys, rows);  // warm-up
-        CHECK(cudaGetLastError());
-        CHECK(cudaDeviceSynchronize());
-        float best = 1e30f;
-        for (int rep = 0; rep < 3; ++rep) {
-          CHECK(cudaEventRecord(start));
-          v.launch(grid, d_plane, d_keys, rows);
-          CHECK(cudaEventRecord(stop));
-          CHECK(cudaEventSynchronize(stop));
-          float ms = 0.f;
-          CHECK(cudaEventElapsedTime(&ms, start, stop));
-          best = ms < best ? ms : best;
-        }
+        const float best = best_of_3(d_plane, plane_bytes, [&] { v.launch(grid, d_plane, d_keys, rows); });
         const double gb = rows * v.row_bytes / 1e9;
         std::printf("N=%6d ctas/SM=%d %-9s %6.2f GB in %7.3f ms: %5.2f TB/s\n", num_keys, per_sm, v.name, gb, best,
                     gb / best);
@@ -224,20 +212,9 @@ int main(int argc, char** argv) {
         const int grid = 2 * sms * per_sm;  // per_sm CTAs of each role per SM
         const char* names[] = {"", "bulk_half", "gather", "mixed"};
         for (int roles : {1, 2, 3}) {
-          CHECK(cudaMemset(d_plane, 0, plane_bytes));
-          mixed<<<grid, kThreads>>>(static_cast<float*>(d_plane), d_rows, d_keys, rows, roles, d_sink);
-          CHECK(cudaGetLastError());
-          CHECK(cudaDeviceSynchronize());
-          float best = 1e30f;
-          for (int rep = 0; rep < 3; ++rep) {
-            CHECK(cudaEventRecord(start));
+          const float best = best_of_3(d_plane, plane_bytes, [&] {
             mixed<<<grid, kThreads>>>(static_cast<float*>(d_plane), d_rows, d_keys, rows, roles, d_sink);
-            CHECK(cudaEventRecord(stop));
-            CHECK(cudaEventSynchronize(stop));
-            float ms = 0.f;
-            CHECK(cudaEventElapsedTime(&ms, start, stop));
-            best = ms < best ? ms : best;
-          }
+          });
           std::printf("N=%6d ctas/SM=%d+%d %-9s reduce %4.2f GB, gather %4.2f GB in %7.3f ms\n", num_keys, per_sm,
                       per_sm, names[roles], roles & 1 ? rows * kDI * 4.0 / 1e9 : 0.0,
                       roles & 2 ? rows * kDI * 2.0 / 1e9 : 0.0, best);

@@ -41,8 +41,7 @@ def main():
     total = sum(samples)
 
     dealloc = next(i for i, s in enumerate(source) if "USETMAXREG.DEALLOC" in s)
-    producer_end = next(i for i in range(dealloc, len(source)) if source[i].split()[-2:] == ["EXIT", ";"] or
-                        source[i].rstrip(" ;").endswith("EXIT"))
+    producer_end = next(i for i in range(dealloc, len(source)) if source[i].split()[-1:] == ["EXIT"])
     # The reduction-issue loops: ELECT ... UBLKRED ... BRA.U.ANY, in the consumer.
     loop = set()
     for i, s in enumerate(source[:dealloc]):
