@@ -69,9 +69,13 @@ def packed_checks():
     import test_packed_gpu as t
     from test_packed import CASES
 
-    checks = [Named("raw-ranges-attn_dist-h64", functools.partial(t.test_attn_dist_kernel_on_raw_row_ranges, 64, 576)),
+    checks = [Named("raw-ranges-attn_dist-h64",
+                    functools.partial(t.test_attn_dist_kernel_on_raw_row_ranges, 64, 576, 48)),
               Named("raw-ranges-attn_dist-h130-d512",
-                    functools.partial(t.test_attn_dist_kernel_on_raw_row_ranges, 130, 512)),
+                    functools.partial(t.test_attn_dist_kernel_on_raw_row_ranges, 130, 512, 48)),
+              # Several waves of CTAs (1200): rows with no, one and several blocks on each SM.
+              Named("raw-ranges-attn_dist-h64-waves",
+                    functools.partial(t.test_attn_dist_kernel_on_raw_row_ranges, 64, 576, 600)),
               Named("raw-ranges-indexer", functools.partial(t.test_indexer_kernels_on_raw_row_ranges, False, 64, 128)),
               Named("raw-ranges-indexer-det-h16",
                     functools.partial(t.test_indexer_kernels_on_raw_row_ranges, True, 16, 64)),

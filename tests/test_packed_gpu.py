@@ -115,15 +115,20 @@ def adversarial_indices(rng, B, S, T, N):
     return idx.astype(np.int32)
 
 
-@pytest.mark.parametrize("H,D", [(64, 576), (128, 576), (130, 512)])
-def test_attn_dist_kernel_on_raw_row_ranges(H, D):
+@pytest.mark.parametrize("H,D,S", [(64, 576, 48), (128, 576, 48), (130, 512, 48),
+                                   (64, 576, 600), (96, 512, 600), (130, 576, 300)])
+def test_attn_dist_kernel_on_raw_row_ranges(H, D, S):
     """attn_dist's kernel on adversarial row ranges (with causal=True and a
     random q_start, which the ranges replace) into a NaN-poisoned output:
     every element written, the skipped blocks 0, the rest within SPEC §3.
     H = 64 and 128 are the two head tiles (128: two groups per tile); 130
-    adds a partial group in a second tile."""
-    rng = np.random.default_rng(seed_of("raw-ranges-attn", H, D))
-    B, S, N, T = 2, 48, 300, 200
+    adds a partial group in a second tile. S = 48 gives fewer CTAs than an
+    H100 has SMs; 1200 give several waves, each SM going through rows with
+    no live block, one block (the second consumer idle) and several, with
+    each CTA's L2 prefetch of its successor's rows. Both must give the same
+    bits twice."""
+    rng = np.random.default_rng(seed_of("raw-ranges-attn", H, D, S))
+    B, N, T = 2, 300, 200
     q = jnp.asarray(rng.standard_normal((B, S, H, D)).astype(np.float32), BF16)
     k = jnp.asarray(rng.standard_normal((B, N, 1, D)).astype(np.float32), BF16)
     idx = adversarial_indices(rng, B, S, T, N)
@@ -132,10 +137,12 @@ def test_attn_dist_kernel_on_raw_row_ranges(H, D):
     rule = dict(sm_scale=D ** -0.5, k_stride=1, lse_base="2")
     lse = oracle.exact_lse(q, k, masked, causal=False, q_start_index=0, empty_value=0.0, **rule).astype(np.float32)
     q_start = jnp.asarray(rng.integers(-50, 50, (B,)), jnp.int32)
-    got = np.asarray(jax.jit(functools.partial(kernel_cases.poisoned_kernel_call, causal=True, **rule))(
-        q, k, jnp.asarray(idx), jnp.asarray(lse), q_start, jnp.asarray(ranges)))
+    call = jax.jit(functools.partial(kernel_cases.poisoned_kernel_call, causal=True, **rule))
+    operands = (q, k, jnp.asarray(idx), jnp.asarray(lse), q_start, jnp.asarray(ranges))
+    got = np.asarray(call(*operands))
     want = oracle.attn_dist_oracle(q, k, masked, lse, causal=False, q_start_index=0, **rule)
     assert not np.isnan(got).any()
+    assert np.asarray(call(*operands)).tobytes() == got.tobytes()
     oracle.assert_within_spec(got, want)
     live = np.clip(ranges[..., 2].astype(np.int64), 0, T)
     for b, s in zip(*np.nonzero(live < T)):

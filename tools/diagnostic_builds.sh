@@ -24,6 +24,9 @@
 #   no_wait        float32 mode: no wait for the last block's reductions to
 #                  have read the dK staging rows before they are rewritten (§19)
 #   det_no_wait    deterministic mode: likewise for its chunk buffers (§19)
+#   old            the tree in $OLD_TAR (a git archive), unpatched: the
+#                  previous build beside the variants (§20; that section's
+#                  persistent-grid variants live on branch exp/persistent-attn-dist)
 # Prints, per variant, round and shape, the kernel times the rows carry.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=4
@@ -54,6 +57,7 @@ declare -A patches=(  # variant: "file|sed" entries, separated by newlines
 $gather6"
   [no_wait]="$bwd|s/if (reducer) wait_reductions_read();/;/"
   [det_no_wait]="$bwd|s/if (reducer) wait_reductions_read<Cfg::kFixedBuffers - 1>();/;/"
+  [old]=""
 )
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || { sed -n '2,/^set /{/^#/p}' "$0"; exit 2; }
@@ -75,7 +79,8 @@ for v in "${variants[@]}"; do [ -v "patches[$v]" ] || { echo "unknown variant $v
   .whl/nvidia_cutlass*.whl
 build() {  # into /tmp/ab_VARIANT, which exists only if this build succeeded
   rm -rf "/tmp/v_$1" "/tmp/ab_$1" && mkdir -p "/tmp/v_$1" || return 1
-  if [ -n "${PATCH_ONLY:-}" ]; then cp -r "$src"/csrc "/tmp/v_$1/"; else cp -r "$src"/. "/tmp/v_$1/" && rm -rf "/tmp/v_$1/build"; fi ||
+  if [ "$1" = old ]; then tar -xf "${OLD_TAR:?set OLD_TAR for the old variant}" -C "/tmp/v_$1" && cp -r "$src"/.whl "/tmp/v_$1/"
+  elif [ -n "${PATCH_ONLY:-}" ]; then cp -r "$src"/csrc "/tmp/v_$1/"; else cp -r "$src"/. "/tmp/v_$1/" && rm -rf "/tmp/v_$1/build"; fi ||
     return 1
   patch_tree "$1" "/tmp/v_$1" || return 1
   [ -z "${PATCH_ONLY:-}" ] || return 0
