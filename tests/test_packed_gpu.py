@@ -124,9 +124,9 @@ def test_attn_dist_kernel_on_raw_row_ranges(H, D, S):
     H = 64 and 128 are the two head tiles (128: two groups per tile); 130
     adds a partial group in a second tile. S = 48 gives fewer CTAs than an
     H100 has SMs; 1200 give several waves, each SM going through rows with
-    no live block, one block (the second consumer idle) and several, with
-    each CTA's L2 prefetch of its successor's rows. Both must give the same
-    bits twice."""
+    no live block, one block (the second consumer idle) and several (and,
+    for H > 64, each CTA's L2 prefetch of its successor's rows). Both must
+    give the same bits twice."""
     rng = np.random.default_rng(seed_of("raw-ranges-attn", H, D, S))
     B, N, T = 2, 300, 200
     q = jnp.asarray(rng.standard_normal((B, S, H, D)).astype(np.float32), BF16)
