@@ -79,7 +79,7 @@ for v in "${variants[@]}"; do [ -v "patches[$v]" ] || { echo "unknown variant $v
   .whl/nvidia_cutlass*.whl
 build() {  # into /tmp/ab_VARIANT, which exists only if this build succeeded
   rm -rf "/tmp/v_$1" "/tmp/ab_$1" && mkdir -p "/tmp/v_$1" || return 1
-  if [ "$1" = old ]; then tar -xf "${OLD_TAR:?set OLD_TAR for the old variant}" -C "/tmp/v_$1" && cp -r "$src"/.whl "/tmp/v_$1/"
+  if [ "$1" = old ]; then tar -xf "${OLD_TAR:?set OLD_TAR for the old variant}" -C "/tmp/v_$1"
   elif [ -n "${PATCH_ONLY:-}" ]; then cp -r "$src"/csrc "/tmp/v_$1/"; else cp -r "$src"/. "/tmp/v_$1/" && rm -rf "/tmp/v_$1/build"; fi ||
     return 1
   patch_tree "$1" "/tmp/v_$1" || return 1
