@@ -24,16 +24,23 @@
 namespace attn_dist {
 
 constexpr int kNumConsumers = 2;    // WG0 takes the even key blocks, WG1 the odd ones
-constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;  // + WG2, the producer
+// Two producer warpgroups (WG2, WG3) feed the rings: with one, the gather's
+// issue rate held back every head tile, and a second took 1-6 % off v32-h128
+// and v32-h64 in A/Bs on an H100 (docs/PERFORMANCE.md §23).
+constexpr int kProducerWarpgroups = 2;
+constexpr int kProducerThreads = kProducerWarpgroups * kWarpgroupThreads;
+constexpr int kThreads = kNumConsumers * kWarpgroupThreads + kProducerThreads;
 constexpr int kCtasPerSm = 1;       // Q and the two rings take the SM's shared memory
 
 // setmaxnreg moves registers between warpgroups within the CTA's launch
-// allocation (__launch_bounds__(384, kCtasPerSm): 168 per thread, 64512 in all), so the
+// allocation (__launch_bounds__(512, kCtasPerSm): 128 per thread, 65536 in all), so the
 // budgets must fit in it, or the consumers' allocation waits forever.
-constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;  // 168
-constexpr int kConsumerRegs = 208;
-constexpr int kProducerRegs = 80;
-static_assert((kNumConsumers * kConsumerRegs + kProducerRegs) * kWarpgroupThreads <= kLaunchRegs * kThreads,
+// (ptxas -v: no spills at these counts, HT = 64, 96 and 128.)
+constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;  // 128
+constexpr int kConsumerRegs = 168;
+constexpr int kProducerRegs = 88;
+static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kProducerThreads <=
+                  kLaunchRegs * kThreads,
               "setmaxnreg budgets exceed the CTA's register allocation");
 
 // D: head dim (512 or 576). HT: heads per CTA (64, 96 or 128).
@@ -66,7 +73,7 @@ struct Config {
   // shared memory after Q goes to the two rings.
   static constexpr int kStages =
       (kMaxDynamicSmem - kSmemAlign - kQBytes - kBarrierBytes) / (kNumConsumers * 64 * kDimTile * 2);
-  using Ring = GatherRing<kStages, kNumConsumers>;
+  using Ring = GatherRing<kStages, kNumConsumers, kProducerThreads>;
 
   using TiledMma = KeyBlockMma<HT>;
 

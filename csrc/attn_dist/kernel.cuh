@@ -1,13 +1,13 @@
 // The SM90 attn_dist kernel and its host launcher.
 //
-// One CTA per (batch, query token, head tile of HT heads); 3 warpgroups:
+// One CTA per (batch, query token, head tile of HT heads); 4 warpgroups:
 //   WG0, WG1  consumers. Both hold the whole head tile; WG0 takes the even key
 //             blocks of 64 top-k slots, WG1 the odd ones. Per block: 64xHTxD
 //             WGMMA over the D/64 dim tiles, then p = exp2(acc*scale - lse),
 //             the per-group head sum (a row sum), and a store of 64 floats per group.
-//   WG2       producer. The shared gather pipeline (common/gather.cuh): its
-//             first two warps gather the K rows of WG0's blocks, the last two
-//             those of WG1's. One thread loads Q by TMA.
+//   WG2, WG3  producers. The shared gather pipeline (common/gather.cuh): WG2
+//             gathers the K rows of WG0's blocks, WG3 those of WG1's. One
+//             thread loads Q by TMA.
 #pragma once
 
 #include <cstdint>
@@ -66,7 +66,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // ---------------------------------------------------------------------------
-// Producer steps (WG2).
+// Producer steps (WG2, WG3).
 // ---------------------------------------------------------------------------
 template <class Cfg>
 __device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
@@ -272,20 +272,22 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
   __syncthreads();
 
-  if (warpgroup == kNumConsumers) {
+  if (warpgroup >= kNumConsumers) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    const int producer_thread = int(threadIdx.x) - kNumConsumers * kWarpgroupThreads;
     // A row with no live block (topk_length <= 0) needs no Q, and no
     // consumer would wait for it: a CTA must not exit with its TMA in flight.
-    if (thread_in_wg == 0 && cta.slots.num_blocks() > 0) {
+    if (producer_thread == 0 && cta.slots.num_blocks() > 0) {
       cute::prefetch_tma_descriptor(&tma.q);
       load_q_by_tma<Cfg>(plan, tma, cta);
     }
-    if (thread_in_wg == 0 && params.prefetch_next_cta) prefetch_next_cta<Cfg>(params);
+    if (producer_thread == 0 && params.prefetch_next_cta) prefetch_next_cta<Cfg>(params);
+    // Producer threads 0 .. kFeeders - 1 feed WG0's ring, the rest WG1's.
     constexpr int kFeeders = Cfg::Ring::kFeeders;
-    const int consumer = thread_in_wg / kFeeders;
+    const int consumer = producer_thread / kFeeders;
     const bf16* keys = static_cast<const bf16*>(params.k) + int64_t(cta.batch) * params.s_kv * Cfg::D;
     gather_key_blocks<typename Cfg::Ring, Cfg::D>(plan.k[consumer], plan.ring, cta.slots, keys, consumer,
-                                                  thread_in_wg % kFeeders);
+                                                  producer_thread % kFeeders);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     consume_blocks<Cfg>(plan, params, cta, warpgroup, thread_in_wg);

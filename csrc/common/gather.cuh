@@ -28,11 +28,11 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kSmemAlign = 1024;        // SW128 atoms repeat every 8 rows x 128 B
 constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90 opt-in limit per block
 
-template <int kStages_, int kConsumers_>
+template <int kStages_, int kConsumers_, int kProducerThreads = kWarpgroupThreads>
 struct GatherRing {
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kConsumers_;
-  static constexpr int kFeeders = kWarpgroupThreads / kConsumers;  // producer threads per ring
+  static constexpr int kFeeders = kProducerThreads / kConsumers;  // producer threads per ring
   static constexpr int kRowsPerFeeder = kBlockTopk * 8 / kFeeders;  // 8 feeders share a row (16 B each)
   static constexpr int kStageElems = kBlockTopk * kDimTile;
   static constexpr int kStageBytes = kStageElems * int(sizeof(bf16));
