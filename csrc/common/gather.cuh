@@ -1,6 +1,7 @@
-// The gather pipeline shared by the kernels: a producer warpgroup copies the
-// key rows that a query row's top-k slots select into rings of shared-memory
-// stages, one ring per consumer warpgroup, where WGMMA reads them.
+// The gather pipeline shared by the kernels: producer threads (one warpgroup in
+// the indexer's kernels, two in attn_dist's) copy the key rows that a query
+// row's top-k slots select into rings of shared-memory stages, one ring per
+// consumer warpgroup, where WGMMA reads them.
 //
 // A stage is one 64-key x 64-dim tile (8 KiB bf16, K-major, 128-byte swizzle:
 // a WGMMA operand). Consumer c takes the key blocks c, c + kConsumers, ...;
@@ -28,6 +29,7 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kSmemAlign = 1024;        // SW128 atoms repeat every 8 rows x 128 B
 constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90 opt-in limit per block
 
+// kProducerThreads: the threads that feed the rings, split evenly between them.
 template <int kStages_, int kConsumers_, int kProducerThreads = kWarpgroupThreads>
 struct GatherRing {
   static constexpr int kStages = kStages_;
