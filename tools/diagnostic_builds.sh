@@ -25,8 +25,7 @@
 #                  have read the dK staging rows before they are rewritten (§19)
 #   det_no_wait    deterministic mode: likewise for its chunk buffers (§19)
 #   stages_m1      attn_dist's rings one stage shorter (HT = 128: 4 instead of
-#                  5, HT = 64: 8 instead of 9), to see how much ring depth
-#                  matters (branch exp/ring-depth)
+#                  5, HT = 64: 8 instead of 9): how much ring depth matters (§25)
 #   old            the tree in $OLD_TAR (a git archive), unpatched: the
 #                  previous build beside the variants (§20; that section's
 #                  persistent-grid variants live on branch exp/persistent-attn-dist)
@@ -60,7 +59,7 @@ declare -A patches=(  # variant: "file|sed" entries, separated by newlines
 $gather6"
   [no_wait]="$bwd|s/if (reducer) wait_reductions_read();/;/"
   [det_no_wait]="$bwd|s/if (reducer) wait_reductions_read<Cfg::kFixedBuffers - 1>();/;/"
-  [stages_m1]="csrc/attn_dist/config.h|s|(kMaxDynamicSmem - kSmemAlign - kQBytes - kBarrierBytes) / (kNumConsumers \* 64 \* kDimTile \* 2);|(kMaxDynamicSmem - kSmemAlign - kQBytes - kBarrierBytes) / (kNumConsumers * 64 * kDimTile * 2) - 1;|"
+  [stages_m1]="csrc/attn_dist/config.h|s|(kNumConsumers \* 64 \* kDimTile \* 2);|(kNumConsumers * 64 * kDimTile * 2) - 1;|"
   [old]=""
 )
 variants=("$@")
