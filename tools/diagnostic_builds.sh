@@ -26,6 +26,10 @@
 #   det_no_wait    deterministic mode: likewise for its chunk buffers (§19)
 #   stages_m1      attn_dist's rings one stage shorter (HT = 128: 4 instead of
 #                  5, HT = 64: 8 instead of 9): how much ring depth matters (§25)
+#   no_gather      every slot zero-filled, no key row read: the kernel
+#                  without its L2 gather (§27)
+#   no_mma         attn_dist's consumers issue one WGMMA a block instead of
+#                  D / 16: the kernel without its tensor work (§27)
 #   old            the tree in $OLD_TAR (a git archive), unpatched: the
 #                  previous build beside the variants (§20; that section's
 #                  persistent-grid variants live on branch exp/persistent-attn-dist)
@@ -60,6 +64,8 @@ $gather6"
   [no_wait]="$bwd|s/if (reducer) wait_reductions_read();/;/"
   [det_no_wait]="$bwd|s/if (reducer) wait_reductions_read<Cfg::kFixedBuffers - 1>();/;/"
   [stages_m1]="csrc/attn_dist/config.h|s|(kNumConsumers \* 64 \* kDimTile \* 2);|(kNumConsumers * 64 * kDimTile * 2) - 1;|"
+  [no_gather]="$gather|s|$valid|valid[r] = false;|"
+  [no_mma]="csrc/attn_dist/kernel.cuh|s|cute::gemm(mma, tA(_, _, kb, pos.stage), tB(_, _, kb, dt), acc);|if (dt == 0 \&\& kb == 0) cute::gemm(mma, tA(_, _, kb, pos.stage), tB(_, _, kb, dt), acc);|"
   [old]=""
 )
 variants=("$@")
@@ -93,7 +99,7 @@ build() {  # into /tmp/ab_VARIANT, which exists only if this build succeeded
 for v in "${variants[@]}"; do build "$v" & done
 wait
 [ -z "${PATCH_ONLY:-}${BUILD_ONLY:-}" ] || exit 0
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   for v in "${variants[@]}"; do
     [ -d "/tmp/ab_$v" ] || { echo "$v: not built, not timed"; continue; }
     (cd /tmp && PYTHONPATH="/tmp/ab_$v:/tmp/site" JAX_ATTN_DIST_COMMIT="$v" timeout 300 python3 \
