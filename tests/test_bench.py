@@ -77,3 +77,37 @@ def test_ncu_stall_summary_reads_a_recorded_profile():
     assert "30.1 % of the consumer's" in line, shipped
     assert "reduction-issue loop" not in no_reductions, no_reductions
     assert no_reductions.startswith("samples 132960: consumer 54.4 %"), no_reductions
+
+
+def test_ncu_stall_summary_counts_attn_dist_mbarrier_waits():
+    """tools/ncu_stalls.py on session 17's attn_dist profiles (PERFORMANCE.md §27):
+    the consumers wait for a full stage in 50 % of their samples at 128k (HBM),
+    18 % at v32-h64 and 10 % at v32-h128."""
+    import subprocess
+    import sys
+
+    def consumer_waits(shape):
+        path = os.path.join(ROOT, "benchmarks", "results", f"ncu_session17_source_{shape}.csv.gz")
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "ncu_stalls.py"), path, "--top", "3"],
+                             check=True, capture_output=True, text=True).stdout
+        return next(l for l in out.splitlines() if l.startswith("consumer in mbarrier waits")), out
+
+    for shape, share in (("v32-h128", "10.0"), ("v32-h64", "18.1"), ("v32-h128-128k", "50.4")):
+        line, out = consumer_waits(shape)
+        assert line == f"consumer in mbarrier waits: {share} % of its samples", out
+
+
+def test_clock_probe_reads_nvidia_smi_samples():
+    """tools/clock_probe.py's parser (PERFORMANCE.md §27) on the line format
+    nvidia-smi writes, and on the lines it must skip."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("clock_probe", os.path.join(ROOT, "tools", "clock_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    s = probe.parse_sample("2026/11/23 08:40:01.250, 1605, 690.17, 54, Active, Not Active, Not Active\n")
+    assert s[1:] == (1605.0, 690.17, 54.0, True, False, False)
+    t = probe.parse_sample("2026/11/23 08:40:02.500, 1980, 514.2, 50, Not Active, Not Active, Not Active")
+    assert abs(t[0] - s[0] - 1.25) < 1e-6 and t[4] is False
+    assert probe.parse_sample("") is None
+    assert probe.parse_sample("2026/11/23 08:40:01.250, [N/A], 690.17, 54, Active, Not Active, Not Active") is None

@@ -28,6 +28,19 @@ FIELDS = ("timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.s
           "clocks_event_reasons.hw_slowdown,clocks_event_reasons.sw_thermal_slowdown")
 
 
+def parse_sample(line):
+    """One nvidia-smi CSV line (FIELDS, noheader, nounits) as (epoch seconds,
+    SM MHz, watts, deg C, power cap, hw slowdown, thermal), or None."""
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        stamp, frac = parts[0].split(".")
+        ts = time.mktime(time.strptime(stamp, "%Y/%m/%d %H:%M:%S")) + float("0." + frac)
+        return (ts, float(parts[1]), float(parts[2]), float(parts[3]), parts[4] == "Active", parts[5] == "Active",
+                parts[6] == "Active")
+    except (ValueError, IndexError):
+        return None
+
+
 def run_for(fn, arg_sets, seconds):
     """Calls fn back to back for about `seconds`; returns (t0, t1, calls)."""
     jax.block_until_ready(fn(*arg_sets[0]))
@@ -73,15 +86,7 @@ def main() -> int:
     finally:
         smi.terminate()
         smi.wait()
-    samples = []
-    for line in open(log):
-        parts = [p.strip() for p in line.split(",")]
-        try:
-            ts = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S")) + float("0." + parts[0].split(".")[1])
-            samples.append((ts, float(parts[1]), float(parts[2]), float(parts[3]), parts[4] == "Active", parts[5] == "Active",
-                            parts[6] == "Active"))
-        except (ValueError, IndexError):
-            continue
+    samples = [s for s in map(parse_sample, open(log)) if s is not None]
     rows = []
     for name, t0, t1, calls, flops in phases:
         # Skip the first 0.5 s of a phase: the clock settles.

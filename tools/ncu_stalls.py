@@ -10,8 +10,10 @@ by the SASS role markers (code after `USETMAXREG.DEALLOC` up to the next
 `EXIT` is the producer's; the rest, before it, the consumer's; out-of-line
 code after that is reported apart), counts the loop that issues bulk
 reductions (the instructions from the first `ELECT` before a `UBLKRED` to the
-`BRA.U.ANY` after it), and lists the hottest instructions with their main
-stall reasons. docs/PERFORMANCE.md §19 reads the indexer backward this way.
+`BRA.U.ANY` after it), the samples each role spends in mbarrier waits (a
+`SYNCS.PHASECHK` try-wait and the branch on its predicate), and lists the
+hottest instructions with their main stall reasons. docs/PERFORMANCE.md §19
+reads the indexer backward this way, §27 attn_dist.
 """
 
 import argparse
@@ -50,6 +52,17 @@ def main():
             hi = next(j for j in range(i, dealloc) if "BRA.U.ANY" in source[j])
             loop.update(range(lo, hi + 1))
 
+    # mbarrier waits: a SYNCS.PHASECHK try-wait and the branch that tests its
+    # predicate (to the out-of-line retry) within the next few instructions.
+    waits = set()
+    for i, s in enumerate(source):
+        if "SYNCS.PHASECHK" in s and "TRYWAIT" in s:
+            pred = s.split("TRYWAIT")[1].split(",")[0].strip()
+            branch = next((j for j in range(i + 1, min(i + 12, len(source)))
+                           if source[j].startswith(f"@!{pred}") and " BRA " in f" {source[j]} "), None)
+            if branch is not None:
+                waits.update((i, branch))
+
     def share(indices):
         return sum(samples[i] for i in indices) / total * 100
 
@@ -63,6 +76,8 @@ def main():
     for name, part in (("consumer", consumer), ("producer", producer)):
         by = {h: sum(float(data[i][col[h]] or 0) for i in part) for h in reasons}
         part_total = sum(samples[i] for i in part) or 1
+        print(f"{name} in mbarrier waits: {sum(samples[i] for i in part if i in waits) / part_total * 100:.1f} % "
+              f"of its samples")
         print(f"{name} by reason: " + ", ".join(f"{h[6:]} {v / part_total * 100:.1f} %"
                                                   for h, v in sorted(by.items(), key=lambda x: -x[1])
                                                   if v / part_total > 0.01))
