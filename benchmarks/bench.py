@@ -114,17 +114,21 @@ def extra_memory_bytes(jitted, *args) -> int | None:
         return None
 
 
-def gemm_ceiling(calls: int, samples: int) -> float:
-    """TFLOP/s of a dense bf16 8192^3 matmul on random data."""
-    n = 8192
+def gemm_problem(n: int = 8192):
+    """The ceiling's dense bf16 n^3 matmul: (jitted, two input sets, FLOPs)."""
     ka, kb = jax.random.split(jax.random.key(1))
     sets = [
         (jax.random.normal(ka, (n, n), jnp.bfloat16), jax.random.normal(kb, (n, n), jnp.bfloat16)),
         (jax.random.normal(kb, (n, n), jnp.bfloat16), jax.random.normal(ka, (n, n), jnp.bfloat16)),
     ]
-    mm = jax.jit(lambda a, b: a @ b)
+    return jax.jit(lambda a, b: a @ b), sets, 2 * n**3
+
+
+def gemm_ceiling(calls: int, samples: int) -> float:
+    """TFLOP/s of a dense bf16 8192^3 matmul on random data."""
+    mm, sets, flops = gemm_problem()
     t = time_calls(mm, sets, calls=calls, samples=samples)
-    return 2 * n**3 / t / 1e12
+    return flops / t / 1e12
 
 
 # ----------------------------------------------------------------------------

@@ -81,8 +81,9 @@ def test_ncu_stall_summary_reads_a_recorded_profile():
 
 def test_ncu_stall_summary_counts_attn_dist_mbarrier_waits():
     """tools/ncu_stalls.py on session 17's attn_dist profiles (PERFORMANCE.md §27):
-    the consumers wait for a full stage in 50 % of their samples at 128k (HBM),
-    18 % at v32-h64 and 10 % at v32-h128."""
+    the consumers spend 50 % of their samples in mbarrier waits (nearly all for
+    a full stage, the rest for Q) at 128k (HBM), 18 % at v32-h64 and 10 % at
+    v32-h128."""
     import subprocess
     import sys
 

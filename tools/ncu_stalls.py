@@ -59,7 +59,7 @@ def main():
         if "SYNCS.PHASECHK" in s and "TRYWAIT" in s:
             pred = s.split("TRYWAIT")[1].split(",")[0].strip()
             branch = next((j for j in range(i + 1, min(i + 12, len(source)))
-                           if source[j].startswith(f"@!{pred}") and " BRA " in f" {source[j]} "), None)
+                           if source[j].split()[:2] == [f"@!{pred}", "BRA"]), None)
             if branch is not None:
                 waits.update((i, branch))
 

@@ -13,19 +13,17 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench  # noqa: E402
 
-BASES = {"v32-h128": bench.ATTN_SHAPES["v32-h128"], "v32-h64": bench.ATTN_SHAPES["v32-h64"]}
-
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--rows", type=int, nargs="*", default=[3960, 4092, 4096, 4224])
-    ap.add_argument("--shapes", nargs="*", default=list(BASES))
+    ap.add_argument("--shapes", nargs="*", default=["v32-h128", "v32-h64"], choices=list(bench.ATTN_SHAPES))
     args = ap.parse_args()
     gemm = bench.gemm_ceiling(10, 15)
     rows = []
     for name in args.shapes:
-        _, n, h, t, d = BASES[name]
+        _, n, h, t, d = bench.ATTN_SHAPES[name]
         for s in args.rows:
             r = bench.bench_attn_dist(f"{name}-s{s}", (s, n, h, t, d), calls=10, samples=15, gemm_tflops=gemm,
                                       with_xla=False)
