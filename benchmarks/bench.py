@@ -361,7 +361,8 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
     outputs (packed: identical valid slots, so 0; topk-half/-full: the first
     topk_length slots, the rest must be 0)."""
     import jax_attn_dist
-    from jax_attn_dist import reference, synthetic
+    from jax_attn_dist import synthetic
+    from jax_attn_dist.ops.attn_dist import reference
 
     del with_xla, gemm_tflops
     op, variant = PACKING[name]

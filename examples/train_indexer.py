@@ -47,7 +47,9 @@ try:
 except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import jax_attn_dist
-from jax_attn_dist.reference import exact_lse_canonical
+from jax_attn_dist.ops.attn_dist import contract as attn_contract
+from jax_attn_dist.ops.attn_dist.reference import exact_lse_canonical
+from jax_attn_dist.ops.indexer import contract as indexer_contract
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -158,13 +160,13 @@ def kernel_paths(cfg: Config):
     B, S, T, dt = cfg.batch, cfg.seq, cfg.topk, jnp.dtype(cfg.dtype)
     spec = lambda *shape, dtype=dt: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     idx = spec(B, S, 1, T, dtype=jnp.int32)
-    attn = jax_attn_dist.kernel_supports(jax_attn_dist._contract.check_problem(
+    attn = attn_contract.kernel_supports(attn_contract.check_problem(
         spec(B, S, cfg.heads, cfg.head_dim), spec(B, S, 1, cfg.head_dim), idx, spec(B, S, cfg.heads, dtype=jnp.float32)))
-    problem = jax_attn_dist._contract.check_indexer_problem(
+    problem = indexer_contract.check_problem(
         spec(B, S, cfg.idx_heads, cfg.idx_dim), spec(B, S, cfg.idx_dim), spec(B, S, cfg.idx_heads, dtype=jnp.float32),
         idx, spec(B, S, T, dtype=jnp.float32))
-    indexer = jax_attn_dist.indexer_kernel_supports(problem)
-    backward = jax_attn_dist._contract.indexer_bwd_kernel_supports(problem)
+    indexer = indexer_contract.kernel_supports(problem)
+    backward = indexer_contract.bwd_kernel_supports(problem)
     on_gpu = jax.default_backend() == "gpu" and jax_attn_dist.kernel_available()
     return on_gpu and attn[0], on_gpu and indexer[0], on_gpu and backward[0]
 

@@ -7,31 +7,55 @@
 * All three take packed sequences (``cu_seqlens_q``/``cu_seqlens_k``) and
   per-row top-k lengths (``topk_length``), docs/SPEC.md §6;
   :func:`cu_seqlens_from_segment_ids` builds the boundaries.
+* :func:`kernel_status` says whether the CUDA kernels can run here.
 
-``python -m jax_attn_dist`` runs a demo.
+Each op lives in its own package under ``jax_attn_dist.ops``; the machinery
+they share is ``jax_attn_dist._core``. ``python -m jax_attn_dist`` runs a demo.
 """
 
-from ._contract import HEADS_PER_GROUP, indexer_kernel_supports, kernel_supports
-from .api import attn_dist, indexer_kl, indexer_loss, kernel_available
-from .indexer_primitive import indexer_kl_p
-from .packing import cu_seqlens_from_segment_ids
-from .primitive import attn_dist_p
-from .reference import attn_dist_reference, indexer_kl_reference
+from ._core import ext as _ext
+from ._core.packing import cu_seqlens_from_segment_ids
+from .ops.attn_dist import HEADS_PER_GROUP, attn_dist, attn_dist_p, attn_dist_reference
+from .ops.attn_dist import kernel_supports as attn_dist_kernel_supports
+from .ops.indexer import indexer_kl, indexer_kl_bwd_p, indexer_kl_p, indexer_kl_reference, indexer_loss
+from .ops.indexer import kernel_supports as indexer_kernel_supports
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
+
+#: The earlier name of :func:`attn_dist_kernel_supports`.
+kernel_supports = attn_dist_kernel_supports
+
+
+def kernel_available() -> bool:
+    """True when the CUDA kernels can run here: the compiled extension is
+    built and registered with XLA, and jax sees a Hopper (sm_90) GPU.
+    :func:`kernel_status` says which of the two is missing."""
+    registered, gpus, _ = _ext.kernel_status()
+    return registered and bool(gpus)
+
+
+def kernel_status():
+    """``(extension_registered, hopper_gpus, description)``: whether the
+    compiled extension is built and registered with XLA, the Hopper GPUs jax
+    sees, and a one-line description of both."""
+    return _ext.kernel_status()
+
 
 __all__ = [
     "HEADS_PER_GROUP",
     "__version__",
     "attn_dist",
+    "attn_dist_kernel_supports",
     "attn_dist_p",
     "attn_dist_reference",
     "cu_seqlens_from_segment_ids",
     "indexer_kernel_supports",
     "indexer_kl",
+    "indexer_kl_bwd_p",
     "indexer_kl_p",
     "indexer_kl_reference",
     "indexer_loss",
     "kernel_available",
+    "kernel_status",
     "kernel_supports",
 ]

@@ -23,8 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import __version__, _contract, _ext, oracle, synthetic
-from .api import attn_dist, indexer_loss
+from . import __version__, oracle, synthetic
+from ._core import ext
+from .ops.attn_dist import attn_dist
+from .ops.attn_dist import contract as attn_contract
+from .ops.indexer import contract as indexer_contract
+from .ops.indexer import indexer_loss
 
 GPU_DEFAULTS = dict(seq=1024, keys=4096, heads=128, topk=512, dim=576, idx_heads=64, idx_dim=128, repeats=20)
 CPU_DEFAULTS = dict(seq=128, keys=1024, heads=128, topk=128, dim=576, idx_heads=64, idx_dim=128, repeats=3)
@@ -52,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--idx-dim", type=int, help="indexer head dim DI (the CUDA kernel takes 64 or 128)")
     p.add_argument("--batch", type=int, default=None, help="batch B (default: unbatched)")
     p.add_argument("--k-stride", type=int, default=1, help="key compression stride (default 1)")
-    p.add_argument("--lse-base", choices=["2", "e"], default="2", help="base of lse (default 2)")
+    p.add_argument("--lse-base", choices=["2", "e"], default="e",
+                   help="base of the synthetic lse: e (natural log, as FlashMLA and cuDNN write it; default) or 2")
     p.add_argument(
         "--implementation", choices=["auto", "cuda", "xla"], default="auto",
         help="auto: the CUDA kernels where they apply, else XLA (default)",
@@ -77,7 +82,8 @@ def _paths(fn, args):
     """What each step of ``fn`` lowers to: (attn_dist, indexer forward, indexer backward)."""
     text = jax.jit(fn).lower(*args).as_text()
     name = lambda target: "CUDA kernel" if target in text else "jnp (XLA)"  # noqa: E731
-    return name(_contract.FFI_TARGET), name(_contract.FFI_INDEXER_FWD), name(_contract.FFI_INDEXER_BWD)
+    return (name(attn_contract.FFI_TARGET), name(indexer_contract.FWD_FFI_TARGET),
+            name(indexer_contract.BWD_FFI_TARGET))
 
 
 def _slabs(S: int):
@@ -172,13 +178,16 @@ def main(argv=None) -> int:
     )
     device = jax.devices()[0]
     checked = ", ".join(f"{a}..{b - 1}" for a, b in _slabs(args.seq))
+    on_kernel = attn_path == "CUDA kernel"
+    _, _, status = ext.kernel_status()
     print(f"jax_attn_dist {__version__}, jax {jax.__version__}")
-    print(f"device:      {device.platform} {getattr(device, 'device_kind', '')}")
-    print(f"kernel:      {'available' if _ext.kernel_available() else 'unavailable'} "
-          f"({_ext.kernel_unavailable_reason()})")
+    print(f"ran on:      {device.platform} ({getattr(device, 'device_kind', '')}), "
+          + ("the CUDA kernels" if on_kernel else "the jnp paths (XLA)"))
+    print(f"kernels:     {status}")
     print(f"path:        attn_dist {attn_path}; indexer_kl forward {indexer_path}, backward {backward_path}")
     print(f"shape:       {shape}")
-    print(f"time:        attn_dist {t_attn:.3f} ms ({problem.flops / t_attn / 1e9:.1f} TFLOP/s); "
+    rate = f" ({problem.flops / t_attn / 1e9:.1f} TFLOP/s)" if on_kernel else ""
+    print(f"time:        attn_dist {t_attn:.3f} ms{rate}; "
           f"indexer_loss forward {t_loss:.3f} ms, forward+backward {t_step:.3f} ms (medians of {args.repeats})")
     print(f"vs float64:  attn_dist rel Frobenius err {rel:.3e}, max err / max|ref| {max_rel:.3e} "
           f"(tol {oracle.ATTN_DIST_TOLERANCE:g}); indexer_loss max err {kl_err:.3e} "

@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _contract
-from ._chunks import causal_parts, row_chunked, valid_slots
-from .reference import exact_lse_canonical
+from ._core.chunks import causal_parts, row_chunked, valid_slots
+from .ops.attn_dist import contract as attn_contract
+from .ops.attn_dist.reference import exact_lse_canonical
 
 
 @dataclasses.dataclass
@@ -137,14 +137,14 @@ def make_problem(
     if not batched:
         q, k, indices, lse = q[0], k[0], indices[0], lse[0]
     problem = SyntheticProblem(q, k, indices, lse, q_start_index, sm_scale, causal, k_stride, lse_base)
-    _contract.check_problem(*problem.arrays)
+    attn_contract.check_problem(*problem.arrays)
     return problem
 
 
 def heads_per_group(H: int) -> np.ndarray:
     """[G] int: the number of heads each output group sums."""
-    G = _contract.num_groups(H)
-    return np.minimum(H - _contract.HEADS_PER_GROUP * np.arange(G), _contract.HEADS_PER_GROUP)
+    G = attn_contract.num_groups(H)
+    return np.minimum(H - attn_contract.HEADS_PER_GROUP * np.arange(G), attn_contract.HEADS_PER_GROUP)
 
 
 def invariant_error(out, lse) -> float:
@@ -159,9 +159,9 @@ def invariant_error(out, lse) -> float:
     if out.size == 0:
         return 0.0
     B, S, H = lse.shape
-    G = _contract.num_groups(H)
+    G = attn_contract.num_groups(H)
     finite = np.isfinite(lse).astype(np.float64)  # [B, S, H]
-    pad = G * _contract.HEADS_PER_GROUP - H
+    pad = G * attn_contract.HEADS_PER_GROUP - H
     finite = np.pad(finite, ((0, 0), (0, 0), (0, pad)))
     expected = finite.reshape(B, S, G, -1).sum(axis=-1).transpose(0, 2, 1)  # [B, G, S]
     n = heads_per_group(H)[None, :, None]

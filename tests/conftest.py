@@ -49,9 +49,19 @@ def cross_lowering(monkeypatch):
     """Lower for CUDA as a CPU-only process does (e.g. to export): pretend
     there is no local CUDA backend, so that a GPU machine without the built
     extension behaves like this one."""
-    from jax_attn_dist import primitive
+    from jax_attn_dist._core import primitives
 
-    monkeypatch.setattr(primitive, "_local_cuda_backend", lambda: False)
+    monkeypatch.setattr(primitives, "local_cuda_backend", lambda: False)
+
+
+@pytest.fixture
+def fake_kernel_available(monkeypatch):
+    """Pretend the extension registered, so that lowering with
+    ``implementation="cuda"`` needs no built extension (no CUDA handler is
+    ever run by a test that uses this)."""
+    from jax_attn_dist._core import ext
+
+    monkeypatch.setattr(ext, "_state", ext._State(True, "registered: (fake for tests)"))
 
 
 def gpu_unavailable_reason(n: int, required: bool):
@@ -60,7 +70,7 @@ def gpu_unavailable_reason(n: int, required: bool):
     is a reason too, not only a warning."""
     import jax
 
-    from jax_attn_dist import _ext
+    from jax_attn_dist._core import ext
 
     try:
         gpus = jax.devices("cuda")
@@ -70,8 +80,8 @@ def gpu_unavailable_reason(n: int, required: bool):
         return (f"needs {n} CUDA GPU(s) visible to jax, found {len(gpus)} "
                 f"(default backend {jax.default_backend()!r})")
     try:
-        if not _ext.kernel_available(required=required):
-            return f"the CUDA kernel is not available: {_ext.kernel_unavailable_reason()}"
+        if not ext.extension_registered(required=required):
+            return f"the CUDA kernel is not available: {ext.kernel_unavailable_reason()}"
     except RuntimeError as e:  # a registration error or a stale build, raised because the kernel is required
         return str(e)
     return None
@@ -80,14 +90,14 @@ def gpu_unavailable_reason(n: int, required: bool):
 def pytest_runtest_setup(item):
     marker = item.get_closest_marker("gpu")
     if marker is not None:
-        from jax_attn_dist import _ext
+        from jax_attn_dist._core import ext
 
         n = marker.args[0] if marker.args else 1
-        required = _ext.required_gpus()
+        required = ext.required_gpus()
         why = gpu_unavailable_reason(n, required >= n)
         if why is not None:
             if required >= n:
-                pytest.fail(f"{_ext.REQUIRE_GPU_ENV}={required}, but {why}", pytrace=False)
+                pytest.fail(f"{ext.REQUIRE_GPU_ENV}={required}, but {why}", pytrace=False)
             pytest.skip(why)
     marker = item.get_closest_marker("host_devices")
     if marker is not None:

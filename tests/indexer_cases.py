@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from inputs import register_kernels, sweep_choices, sweep_q_start_and_indices
-from jax_attn_dist import _contract, oracle
+from jax_attn_dist import oracle
+from jax_attn_dist.ops.indexer import contract as indexer_contract
+from jax_attn_dist._core import checks
 
 register_kernels()
 
@@ -71,9 +73,9 @@ def poisoned_kernel_call(index_q, index_k, weights, indices, target, q_start, ro
     (``row_ranges``: SPEC §6's [B, S, 3], or None)."""
     row = jax.ShapeDtypeStruct(index_q.shape[:2], jnp.float32)
     if row_ranges is None:
-        row_ranges = _contract.no_row_ranges(*row.shape)
+        row_ranges = checks.no_row_ranges(*row.shape)
     poison = jnp.full(row.shape, jnp.nan, jnp.float32)
-    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_FWD_POISONED, (row, row), input_output_aliases={7: 0, 8: 1})
+    call = jax.ffi.ffi_call(indexer_contract.FWD_FFI_TEST_TARGET, (row, row), input_output_aliases={7: 0, 8: 1})
     return call(index_q, index_k, weights, indices, target, q_start, row_ranges, poison, poison + 0.0,
                 scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride))
 
@@ -153,13 +155,13 @@ def poisoned_bwd_call(index_q, index_k, weights, indices, target, q_start, lse, 
     d index_k (the workspace is scratch and not returned; ``row_ranges``:
     SPEC §6's [B, S, 3], or None)."""
     if row_ranges is None:
-        row_ranges = _contract.no_row_ranges(*index_q.shape[:2])
+        row_ranges = checks.no_row_ranges(*index_q.shape[:2])
     shapes = (jax.ShapeDtypeStruct(index_q.shape, jnp.bfloat16), jax.ShapeDtypeStruct(weights.shape, jnp.float32),
               jax.ShapeDtypeStruct(index_k.shape, jnp.float32))
     workspace = jax.ShapeDtypeStruct(
-        (_contract.indexer_bwd_workspace_bytes(index_k.shape, deterministic=deterministic),), jnp.uint8)
+        (indexer_contract.bwd_workspace_bytes(index_k.shape, deterministic=deterministic),), jnp.uint8)
     poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in shapes]
-    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD_POISONED, (*shapes, workspace),
+    call = jax.ffi.ffi_call(indexer_contract.BWD_FFI_TEST_TARGET, (*shapes, workspace),
                             input_output_aliases={9: 0, 10: 1, 11: 2})
     return call(index_q, index_k, weights, indices, target, q_start, lse, g, row_ranges, *poison,
                 scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),

@@ -9,7 +9,8 @@ import numpy as np
 
 from jax_attn_dist import oracle
 
-from jax_attn_dist._contract import INT32_MAX, INT32_MIN  # noqa: F401  (re-exported to the tests)
+from jax_attn_dist._core.checks import INT32_MAX
+from jax_attn_dist._core.checks import INT32_MIN
 
 
 def register_kernels() -> None:
@@ -17,10 +18,10 @@ def register_kernels() -> None:
     included) for the GPU case modules. An extension problem under
     JAX_ATTN_DIST_REQUIRE_GPU raises here; conftest's gpu marker reports it
     per test instead, so it is not raised at import."""
-    import jax_attn_dist
+    from jax_attn_dist._core import ext
 
     try:
-        jax_attn_dist.kernel_available()
+        ext.ensure_registered()
     except RuntimeError:
         pass
 

@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_attn_dist import _contract, oracle
+from jax_attn_dist import oracle
+from jax_attn_dist.ops.attn_dist import contract as attn_contract
+from jax_attn_dist._core import checks
 from inputs import register_kernels, sweep_choices, sweep_q_start_and_indices
 
 register_kernels()
@@ -77,11 +79,11 @@ def poisoned_kernel_call(q, k, indices, lse, q_start, row_ranges=None, *, sm_sca
     (``row_ranges``: SPEC §6's [B, S, 3], or None)."""
     B, S, H, _D = q.shape
     if row_ranges is None:
-        row_ranges = _contract.no_row_ranges(B, S)
+        row_ranges = checks.no_row_ranges(B, S)
     T = indices.shape[-1]
     shape = (B, math.ceil(H / 64), S, T)
     poison = jnp.full(shape, jnp.nan, jnp.float32)
-    call = jax.ffi.ffi_call(_contract.FFI_TARGET_POISONED, jax.ShapeDtypeStruct(shape, jnp.float32),
+    call = jax.ffi.ffi_call(attn_contract.FFI_TEST_TARGET, jax.ShapeDtypeStruct(shape, jnp.float32),
                             input_output_aliases={6: 0})
     return call(q, k, indices, lse, q_start, row_ranges, poison, sm_scale=np.float32(sm_scale), causal=bool(causal),
                 k_stride=np.int32(k_stride), lse_base_e=lse_base == "e")
@@ -122,7 +124,7 @@ def sweep_cases(count: int = 64, seed: int = 2026):
     axes = dict(
         T=[1, 63, 64, 65, 127, 200, 2048, 2049],
         H=[1, 16, 32, 64, 72, 96, 128, 160],
-        D=list(_contract.KERNEL_HEAD_DIMS),
+        D=list(attn_contract.KERNEL_HEAD_DIMS),
         B=[None, 1, 3],
         causal=[True, False],
         per_batch_q_start=[False, True],

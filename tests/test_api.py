@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 import jax_attn_dist
-from jax_attn_dist import _ext, attn_dist, attn_dist_p, attn_dist_reference, kernel_supports
-from jax_attn_dist import primitive as primitive_mod
-from jax_attn_dist import _contract
-from jax_attn_dist._contract import FFI_TARGET, Problem, check_problem
+from jax_attn_dist import attn_dist, attn_dist_p, attn_dist_reference, kernel_supports
+from jax_attn_dist.ops.attn_dist import contract as attn_contract
+from jax_attn_dist._core import ext
+from jax_attn_dist._core import primitives
+from jax_attn_dist.ops.attn_dist.contract import FFI_TARGET
+from jax_attn_dist.ops.attn_dist.contract import Problem
+from jax_attn_dist.ops.attn_dist.contract import check_problem
 from jaxpr_util import iter_eqns
 
 BF16 = jnp.bfloat16
@@ -46,7 +49,7 @@ def zeros_like_specs(s):
 @pytest.mark.parametrize("fn", [attn_dist, attn_dist_reference], ids=["attn_dist", "reference"])
 @pytest.mark.parametrize("B,H,G", [(None, 3, 1), (None, 64, 1), (2, 65, 2), (3, 128, 2), (1, 192, 3)])
 def test_eval_shape(fn, B, H, G):
-    out = jax.eval_shape(lambda *a: fn(*a, sm_scale=0.1), *specs(B=B, H=H))
+    out = jax.eval_shape(lambda *a: fn(*a, sm_scale=0.1, lse_base="2"), *specs(B=B, H=H))
     lead = (B,) if B is not None else ()
     assert out.shape == lead + (G, 5, 4) and out.dtype == jnp.float32
 
@@ -56,7 +59,7 @@ def test_eval_shape_benchmark_size_is_fast():
     s = specs(B=2, S=4096, H=128, D=576, N=131072, T=2048)
     t0 = time.perf_counter()
     for fn in (attn_dist, attn_dist_reference):
-        out = jax.eval_shape(lambda *a: fn(*a, sm_scale=0.1, q_start_index=jnp.zeros((2,), jnp.int32)), *s)
+        out = jax.eval_shape(lambda *a: fn(*a, sm_scale=0.1, lse_base="2", q_start_index=jnp.zeros((2,), jnp.int32)), *s)
         assert out.shape == (2, 2, 4096, 2048)
     assert time.perf_counter() - t0 < 30
 
@@ -94,7 +97,7 @@ def test_primitive_rejects_non_canonical_operands():
 
 
 def test_empty_problem_binds_nothing():
-    jaxpr = jax.make_jaxpr(lambda *a: attn_dist(*a, sm_scale=0.1))(*specs(S=0))
+    jaxpr = jax.make_jaxpr(lambda *a: attn_dist(*a, lse_base="2", sm_scale=0.1))(*specs(S=0))
     assert not _attn_dist_eqns(jaxpr.jaxpr)
 
 
@@ -116,7 +119,7 @@ def custom_calls(text):
 
 
 @pytest.mark.parametrize("B", [None, 3])
-@pytest.mark.parametrize("D", _contract.KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("D", attn_contract.KERNEL_HEAD_DIMS)
 def test_cuda_lowering_emits_ffi_call(B, D):
     """Lowering for CUDA needs no GPU and no built extension."""
     args = zeros_like_specs(specs(B=B, H=130, D=D))
@@ -143,7 +146,7 @@ def test_cuda_lowering_emits_ffi_call(B, D):
 
 
 def test_cuda_lowering_default_attributes():
-    text = lower_text(lambda *a: attn_dist(*a, sm_scale=0.5), zeros_like_specs(specs()), "cuda")
+    text = lower_text(lambda *a: attn_dist(*a, lse_base="2", sm_scale=0.5), zeros_like_specs(specs()), "cuda")
     (call,) = custom_calls(text)
     rest = call.group(2)
     assert "causal = true" in rest and "k_stride = 1 : i32" in rest and "lse_base_e = false" in rest
@@ -162,13 +165,13 @@ def test_cuda_lowering_default_attributes():
     ids=["xla", "D128", "f16", "f32", "HK2"],
 )
 def test_cuda_lowering_falls_back_to_reference(kw, spec_kw):
-    text = lower_text(lambda *a: attn_dist(*a, sm_scale=0.5, **kw), zeros_like_specs(specs(**spec_kw)), "cuda")
+    text = lower_text(lambda *a: attn_dist(*a, sm_scale=0.5, lse_base="2", **kw), zeros_like_specs(specs(**spec_kw)), "cuda")
     assert FFI_TARGET not in text
     assert "custom_call" not in text
 
 
 def test_cpu_lowering_is_reference():
-    text = lower_text(lambda *a: attn_dist(*a, sm_scale=0.5), zeros_like_specs(specs()), "cpu")
+    text = lower_text(lambda *a: attn_dist(*a, lse_base="2", sm_scale=0.5), zeros_like_specs(specs()), "cpu")
     assert FFI_TARGET not in text
 
 
@@ -186,27 +189,21 @@ def test_kernel_supports():
 
 
 def test_implementation_cuda_without_kernel_raises(monkeypatch):
-    monkeypatch.setattr(_ext, "_state", _ext._State(False, "not built (test)"))
+    monkeypatch.setattr(ext, "_state", ext._State(False, "not built (test)"))
     args = zeros_like_specs(specs())
     with pytest.raises(RuntimeError, match="not available"):
-        attn_dist(*args, sm_scale=0.5, implementation="cuda")
+        attn_dist(*args, lse_base="2", sm_scale=0.5, implementation="cuda")
 
 
 def test_implementation_cuda_unsupported_problem_raises():
     args = zeros_like_specs(specs(D=128))
     with pytest.raises(ValueError, match="D = 128"):
-        jax.eval_shape(lambda *a: attn_dist(*a, sm_scale=0.5, implementation="cuda"), *args)
-
-
-@pytest.fixture
-def fake_kernel_available(monkeypatch):
-    """Pretend the extension registered (no CUDA handler is ever run here)."""
-    monkeypatch.setattr(_ext, "_state", _ext._State(True, "registered: (fake for tests)"))
+        jax.eval_shape(lambda *a: attn_dist(*a, lse_base="2", sm_scale=0.5, implementation="cuda"), *args)
 
 
 def test_implementation_cuda_lowering_for_cpu_raises(fake_kernel_available):
     args = zeros_like_specs(specs())
-    f = lambda *a: attn_dist(*a, sm_scale=0.5, implementation="cuda")
+    f = lambda *a: attn_dist(*a, lse_base="2", sm_scale=0.5, implementation="cuda")
     with pytest.raises(ValueError, match="needs a CUDA device; lowering for cpu"):
         lower_text(f, args, "cpu")
     (call,) = custom_calls(lower_text(f, args, "cuda"))
@@ -214,9 +211,9 @@ def test_implementation_cuda_lowering_for_cpu_raises(fake_kernel_available):
 
 def test_no_kernel_on_local_gpu_falls_back(monkeypatch):
     """A process with a CUDA backend but no registered kernel uses the XLA path."""
-    monkeypatch.setattr(primitive_mod, "_local_cuda_backend", lambda: True)
-    monkeypatch.setattr(_ext, "_state", _ext._State(False, "not built (test)"))
-    text = lower_text(lambda *a: attn_dist(*a, sm_scale=0.5), zeros_like_specs(specs()), "cuda")
+    monkeypatch.setattr(primitives, "local_cuda_backend", lambda: True)
+    monkeypatch.setattr(ext, "_state", ext._State(False, "not built (test)"))
+    text = lower_text(lambda *a: attn_dist(*a, lse_base="2", sm_scale=0.5), zeros_like_specs(specs()), "cuda")
     assert FFI_TARGET not in text
 
 
@@ -228,7 +225,7 @@ def test_no_kernel_on_local_gpu_falls_back(monkeypatch):
 def _base(batched):
     B = 2 if batched else None
     q, k, i, l = zeros_like_specs(specs(B=B, S=5, H=4, D=8, N=7, T=3))
-    return dict(q=q, k=k, indices=i, lse=l), dict(sm_scale=0.5)
+    return dict(q=q, k=k, indices=i, lse=l), dict(sm_scale=0.5, lse_base="2")
 
 
 def _arr(shape, dtype):
@@ -280,6 +277,8 @@ BAD = [
     ("sm_scale-array", False, lambda a, k: k.update(sm_scale=jnp.float32(0.1)), TypeError, "sm_scale"),
     ("causal-str", False, lambda a, k: k.update(causal="yes"), TypeError, "causal"),
     ("lse_base-10", False, lambda a, k: k.update(lse_base="10"), ValueError, "lse_base"),
+    ("lse_base-missing", False, lambda a, k: k.pop("lse_base"), TypeError, "lse_base"),
+    ("q-f16-k-bf16", False, lambda a, k: a.update(q=_arr((5, 4, 8), jnp.float16)), TypeError, "q"),
     ("lse_base-int", False, lambda a, k: k.update(lse_base=2), ValueError, "lse_base"),
     ("q_start-float", False, lambda a, k: k.update(q_start_index=1.5), TypeError, "q_start_index"),
     ("q_start-f32-array", False, lambda a, k: k.update(q_start_index=jnp.float32(1)), TypeError, "q_start_index"),
@@ -320,13 +319,13 @@ def test_bad_inputs_under_jit_raise_at_trace_time():
     arrays, _ = _base(False)
     bad_lse = jnp.zeros((5, 3), jnp.float32)
     with pytest.raises(ValueError, match=r"`lse` must have shape \[S, H\] = \[5, 4\], got \[5, 3\]"):
-        jax.jit(lambda q, k, i, l: attn_dist(q, k, i, l, sm_scale=0.5))(arrays["q"], arrays["k"], arrays["indices"], bad_lse)
+        jax.jit(lambda q, k, i, l: attn_dist(q, k, i, l, lse_base="2", sm_scale=0.5))(arrays["q"], arrays["k"], arrays["indices"], bad_lse)
 
 
 def test_error_message_names_expected_and_actual():
     arrays, _ = _base(True)
     with pytest.raises(TypeError) as info:
-        attn_dist(arrays["q"], arrays["k"].astype(jnp.float32), arrays["indices"], arrays["lse"], sm_scale=0.5)
+        attn_dist(arrays["q"], arrays["k"].astype(jnp.float32), arrays["indices"], arrays["lse"], lse_base="2", sm_scale=0.5)
     assert "bfloat16" in str(info.value) and "float32" in str(info.value)
 
 
@@ -336,3 +335,20 @@ def test_version_and_exports():
         assert hasattr(jax_attn_dist, name)
     assert jax_attn_dist.HEADS_PER_GROUP == 64
     assert check_problem(*zeros_like_specs(specs(B=2))).G == 1
+
+
+@pytest.mark.parametrize("fn", [attn_dist, attn_dist_reference], ids=["attn_dist", "reference"])
+def test_lse_base_is_explicit_and_names_the_producers(fn):
+    """A wrong base gives silently wrong targets, so there is no default, and
+    the error says which producer writes which base."""
+    arrays, kwargs = _base(False)
+    kwargs.pop("lse_base")
+    with pytest.raises(TypeError, match=r'`lse_base` is required: pass "e" .*FlashMLA, cuDNN.* "2" .*sparse_mla_fwd'):
+        fn(*arrays.values(), **kwargs)
+
+
+def test_mismatched_dtypes_name_both_arguments():
+    """A float16 q beside a bfloat16 k blames neither alone."""
+    arrays, kwargs = _base(False)
+    with pytest.raises(TypeError, match=r"`q` and `k` must have the same dtype .* got `q` float16 and `k` bfloat16"):
+        attn_dist(arrays["q"].astype(jnp.float16), arrays["k"], arrays["indices"], arrays["lse"], **kwargs)

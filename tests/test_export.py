@@ -18,7 +18,7 @@ from jax import export
 from jax_attn_dist import oracle
 from inputs import make_inputs, seed_of
 from jax_attn_dist import attn_dist
-from jax_attn_dist._contract import FFI_TARGET
+from jax_attn_dist.ops.attn_dist.contract import FFI_TARGET
 
 PLATFORMS = ["cuda", "cpu"]
 ALLOW_KERNEL = [export.DisabledSafetyCheck.custom_call(FFI_TARGET)]

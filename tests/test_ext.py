@@ -1,10 +1,11 @@
-"""The compiled extension's loading rules (jax_attn_dist/_ext.py): build
+"""The compiled extension's loading rules (jax_attn_dist/ext.py): build
 identity, registration errors, and JAX_ATTN_DIST_REQUIRE_GPU. CPU tests."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import warnings
 import jax
 import pytest
 
-from jax_attn_dist import _contract, _ext
+from jax_attn_dist.ops.attn_dist import contract as attn_contract
+from jax_attn_dist.ops.indexer import contract as indexer_contract
+from jax_attn_dist._core import ext
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -38,8 +41,8 @@ def _cuda_plugin_installed():
 
 @pytest.fixture
 def fresh_state(monkeypatch):
-    monkeypatch.setattr(_ext, "_state", None)
-    monkeypatch.delenv(_ext.REQUIRE_GPU_ENV, raising=False)
+    monkeypatch.setattr(ext, "_state", None)
+    monkeypatch.delenv(ext.REQUIRE_GPU_ENV, raising=False)
 
 
 def fake_extension(monkeypatch, registrations, build_id=None):
@@ -47,8 +50,8 @@ def fake_extension(monkeypatch, registrations, build_id=None):
     unless given)."""
     fake = types.ModuleType("jax_attn_dist._cuda")
     fake.registrations = registrations
-    checkout = _ext.source_checkout()
-    fake.build_id = lambda: build_id if build_id is not None else _ext.build_id_of(checkout) if checkout else "x"
+    checkout = ext.source_checkout()
+    fake.build_id = lambda: build_id if build_id is not None else ext.build_id_of(checkout) if checkout else "x"
     monkeypatch.setitem(sys.modules, "jax_attn_dist._cuda", fake)
     return fake
 
@@ -67,8 +70,8 @@ def test_ext_registers_capsules_for_cuda(monkeypatch, fresh_state):
     fake_extension(monkeypatch, lambda: {"jax_attn_dist_fwd": _capsule()})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _ext.kernel_available()
-    assert "jax_attn_dist_fwd" in _ext.kernel_unavailable_reason()
+        assert ext.extension_registered()
+    assert "jax_attn_dist_fwd" in ext.kernel_unavailable_reason()
 
 
 def _broken():
@@ -78,24 +81,24 @@ def _broken():
 def test_registration_failure_warns_once_and_falls_back(monkeypatch, fresh_state):
     fake_extension(monkeypatch, _broken)
     with pytest.warns(RuntimeWarning, match="boom"):
-        assert not _ext.kernel_available()
+        assert not ext.extension_registered()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
-        assert not _ext.kernel_available()
-    assert "boom" in _ext.kernel_unavailable_reason()
+        assert not ext.extension_registered()
+    assert "boom" in ext.kernel_unavailable_reason()
 
 
 def test_registration_failure_raises_when_the_kernel_is_required(monkeypatch, fresh_state):
     fake_extension(monkeypatch, _broken)
     with pytest.raises(RuntimeError, match="required but.*boom"):
-        _ext.kernel_available(required=True)
+        ext.extension_registered(required=True)
 
 
 def test_registration_failure_raises_under_require_gpu(monkeypatch, fresh_state):
-    monkeypatch.setenv(_ext.REQUIRE_GPU_ENV, "1")
+    monkeypatch.setenv(ext.REQUIRE_GPU_ENV, "1")
     fake_extension(monkeypatch, _broken)
     with pytest.raises(RuntimeError, match="boom"):
-        _ext.kernel_available()
+        ext.extension_registered()
 
 
 def test_implementation_cuda_never_swallows_a_registration_error(monkeypatch, fresh_state):
@@ -107,28 +110,28 @@ def test_implementation_cuda_never_swallows_a_registration_error(monkeypatch, fr
     q = jnp.zeros((4, 64, 576), jnp.bfloat16)
     k = jnp.zeros((8, 1, 576), jnp.bfloat16)
     with pytest.raises(RuntimeError, match="boom"):
-        attn_dist(q, k, jnp.zeros((4, 1, 8), jnp.int32), jnp.zeros((4, 64), jnp.float32), sm_scale=0.1,
+        attn_dist(q, k, jnp.zeros((4, 1, 8), jnp.int32), jnp.zeros((4, 64), jnp.float32), lse_base="2", sm_scale=0.1,
                   implementation="cuda")
 
 
 def test_missing_extension_is_no_problem(monkeypatch, fresh_state):
     monkeypatch.setitem(sys.modules, "jax_attn_dist._cuda", None)  # import raises ImportError
-    monkeypatch.setattr(_ext, "_installed_extension", lambda: None)  # nor an installed copy
+    monkeypatch.setattr(ext, "_installed_extension", lambda: None)  # nor an installed copy
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not _ext.kernel_available()
-        assert not _ext.kernel_available(required=True)  # absent, not broken: the caller says what it needs
-    assert "not built" in _ext.kernel_unavailable_reason()
+        assert not ext.extension_registered()
+        assert not ext.extension_registered(required=True)  # absent, not broken: the caller says what it needs
+    assert "not built" in ext.kernel_unavailable_reason()
 
 
 def test_require_gpu_value_is_checked(monkeypatch):
-    monkeypatch.setenv(_ext.REQUIRE_GPU_ENV, "yes")
+    monkeypatch.setenv(ext.REQUIRE_GPU_ENV, "yes")
     with pytest.raises(ValueError, match="integer"):
-        _ext.required_gpus()
-    monkeypatch.setenv(_ext.REQUIRE_GPU_ENV, "2")
-    assert _ext.required_gpus() == 2
-    monkeypatch.setenv(_ext.REQUIRE_GPU_ENV, "")
-    assert _ext.required_gpus() == 0
+        ext.required_gpus()
+    monkeypatch.setenv(ext.REQUIRE_GPU_ENV, "2")
+    assert ext.required_gpus() == 2
+    monkeypatch.setenv(ext.REQUIRE_GPU_ENV, "")
+    assert ext.required_gpus() == 0
 
 
 # ----------------------------------------------------------------------------
@@ -139,52 +142,64 @@ def test_require_gpu_value_is_checked(monkeypatch):
 def test_build_id_tracks_csrc_and_cmakelists(tmp_path):
     shutil.copytree(os.path.join(ROOT, "csrc"), tmp_path / "csrc")
     shutil.copy(os.path.join(ROOT, "CMakeLists.txt"), tmp_path / "CMakeLists.txt")
-    base = _ext.build_id_of(tmp_path)
-    assert base == _ext.build_id_of(ROOT)
+    for variants in pathlib.Path(ROOT, "jax_attn_dist", "ops").glob("*/variants.py"):
+        target = tmp_path / variants.relative_to(ROOT)
+        target.parent.mkdir(parents=True)
+        shutil.copy(variants, target)
+    base = ext.build_id_of(tmp_path)
+    assert base == ext.build_id_of(ROOT)
+    variants = tmp_path / "jax_attn_dist" / "ops" / "attn_dist" / "variants.py"
+    original = variants.read_text()
+    variants.write_text(original + "\n# an edit\n")
+    assert ext.build_id_of(tmp_path) != base  # the variant lists drive the instantiations
+    variants.write_text(original)
     kernel = tmp_path / "csrc" / "attn_dist" / "kernel.cuh"
     kernel.write_text(kernel.read_text() + "\n// an edit\n")
-    edited = _ext.build_id_of(tmp_path)
+    edited = ext.build_id_of(tmp_path)
     assert edited != base
     (tmp_path / "csrc" / "new.h").write_text("")
-    assert _ext.build_id_of(tmp_path) not in (base, edited)
+    assert ext.build_id_of(tmp_path) not in (base, edited)
     (tmp_path / "CMakeLists.txt").write_text("# other\n")
-    assert len({base, edited, _ext.build_id_of(tmp_path)}) == 3
+    assert len({base, edited, ext.build_id_of(tmp_path)}) == 3
 
 
 def test_stale_build_warns(monkeypatch, fresh_state):
     fake_extension(monkeypatch, lambda: {"jax_attn_dist_fwd": _capsule()}, build_id="0" * 64)
-    if _ext.source_checkout() is None:
+    if ext.source_checkout() is None:
         pytest.skip("runs from an installed package: there is no checkout to compare with")
     if _cuda_plugin_installed():
         pytest.skip("a CUDA plugin would call the fake handler")
     with pytest.warns(RuntimeWarning, match="built from other sources"):
-        assert _ext.kernel_available()  # still used, with a warning
+        assert ext.extension_registered()  # still used, with a warning
 
 
 def test_stale_build_is_an_error_when_required(monkeypatch, fresh_state):
-    if _ext.source_checkout() is None:
+    if ext.source_checkout() is None:
         pytest.skip("runs from an installed package: there is no checkout to compare with")
-    monkeypatch.setenv(_ext.REQUIRE_GPU_ENV, "1")
+    monkeypatch.setenv(ext.REQUIRE_GPU_ENV, "1")
     fake_extension(monkeypatch, lambda: {}, build_id="0" * 64)
     with pytest.raises(RuntimeError):
-        _ext.kernel_available()
+        ext.extension_registered()
 
 
 def test_the_built_extension_matches_this_checkout():
     """CI builds the extension from this checkout (pip install .): the binary
     the tests load must carry the checkout's build identity, register exactly
     the FFI targets _contract names and serve the head dims it declares."""
-    module = _ext.extension_module()
+    module = ext.extension_module()
     if module is None:
-        pytest.skip(f"no compiled extension: {_ext.kernel_unavailable_reason()}")
-    checkout = _ext.source_checkout()
+        pytest.skip(f"no compiled extension: {ext.kernel_unavailable_reason()}")
+    checkout = ext.source_checkout()
     if checkout is not None:
-        assert module.build_id() == _ext.build_id_of(checkout), "the loaded extension is stale: pip install ."
-    assert set(module.registrations()) == set(_contract.FFI_TARGETS)
-    assert tuple(module.attn_dist_head_dims()) == _contract.KERNEL_HEAD_DIMS
-    assert tuple(module.indexer_head_dims()) == _contract.INDEXER_KERNEL_HEAD_DIMS
-    assert module.indexer_max_heads() == _contract.INDEXER_KERNEL_MAX_HEADS
-    assert module.indexer_bwd_max_heads() == _contract.INDEXER_BWD_KERNEL_MAX_HEADS
+        assert module.build_id() == ext.build_id_of(checkout), "the loaded extension is stale: pip install ."
+    production = {attn_contract.FFI_TARGET, indexer_contract.FWD_FFI_TARGET, indexer_contract.BWD_FFI_TARGET}
+    test_only = {attn_contract.FFI_TEST_TARGET, indexer_contract.FWD_FFI_TEST_TARGET, indexer_contract.BWD_FFI_TEST_TARGET}
+    built_test_targets = getattr(module, "test_targets_built", lambda: True)()
+    assert set(module.registrations()) == production | (test_only if built_test_targets else set())
+    assert tuple(module.attn_dist_head_dims()) == attn_contract.KERNEL_HEAD_DIMS
+    assert tuple(module.indexer_head_dims()) == indexer_contract.KERNEL_HEAD_DIMS
+    assert module.indexer_max_heads() == indexer_contract.KERNEL_MAX_HEADS
+    assert module.indexer_bwd_max_heads() == indexer_contract.BWD_KERNEL_MAX_HEADS
 
 
 # ----------------------------------------------------------------------------
@@ -205,7 +220,7 @@ def _pytest(args, env_extra):
 def test_gpu_tests_fail_when_a_gpu_is_required_but_absent():
     """Under JAX_ATTN_DIST_REQUIRE_GPU=2 every GPU test fails and says why;
     without it, they skip. (JAX_PLATFORMS=cpu hides any GPU.)"""
-    r = _pytest(["-rfEs", *GPU_TEST_FILES], {_ext.REQUIRE_GPU_ENV: "2"})
+    r = _pytest(["-rfEs", *GPU_TEST_FILES], {ext.REQUIRE_GPU_ENV: "2"})
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     assert " passed" not in out, out[-3000:]
@@ -213,7 +228,7 @@ def test_gpu_tests_fail_when_a_gpu_is_required_but_absent():
     skips = [line for line in out.splitlines() if line.startswith("SKIPPED")]
     assert all("--run-large" in line for line in skips), skips
     assert "needs 1 CUDA GPU(s) visible to jax, found 0" in out and "needs 2 CUDA GPU(s)" in out, out[-3000:]
-    r = _pytest(["-rs", *GPU_TEST_FILES], {_ext.REQUIRE_GPU_ENV: "0"})
+    r = _pytest(["-rs", *GPU_TEST_FILES], {ext.REQUIRE_GPU_ENV: "0"})
     out = r.stdout + r.stderr
     assert r.returncode == 0 and " passed" not in out and "failed" not in out, out[-3000:]
 

@@ -14,7 +14,7 @@ import pytest
 from jax_attn_dist import oracle
 from inputs import INT32_MAX, INT32_MIN, make_inputs, seed_of
 from jax_attn_dist import attn_dist, attn_dist_reference, synthetic
-from jax_attn_dist._contract import FFI_TARGET
+from jax_attn_dist.ops.attn_dist.contract import FFI_TARGET
 
 pytestmark = pytest.mark.gpu
 

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_attn_dist import attn_dist, synthetic
-from jax_attn_dist._contract import FFI_TARGET
+from jax_attn_dist.ops.attn_dist.contract import FFI_TARGET
 
 
 def _gpus():
@@ -135,9 +135,9 @@ def test_indexer_sequence_sharded_over_2_gpus(deterministic):
     (one kernel call per shard, no collective); the gradients equal one GPU's,
     with each shard's partial d index_k (from the backward kernel, in either
     mode) summed by one all-reduce; deterministic=True repeats its bits."""
-    from jax_attn_dist._contract import FFI_INDEXER_BWD
+    from jax_attn_dist.ops.indexer.contract import BWD_FFI_TARGET as FFI_INDEXER_BWD
     from jax_attn_dist import indexer_kl
-    from jax_attn_dist._contract import FFI_INDEXER_FWD
+    from jax_attn_dist.ops.indexer.contract import FWD_FFI_TARGET as FFI_INDEXER_FWD
 
     prob = make_problem(5)
     ix = synthetic.make_indexer(prob, HI=64, DI=128, seed=5)
@@ -198,7 +198,7 @@ def test_sequence_sharded_packed_calls_bitwise():
     mesh = mesh2()
     row, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
 
-    f = lambda q, k, i, l, pk: attn_dist(q, k, i, l, sm_scale=prob.sm_scale, implementation="cuda", **pk)  # noqa: E731
+    f = lambda q, k, i, l, pk: attn_dist(q, k, i, l, sm_scale=prob.sm_scale, lse_base=prob.lse_base, implementation="cuda", **pk)  # noqa: E731
     ref = jax.jit(f)(*prob.arrays, pk)
     sharded = jax.jit(f, in_shardings=(row, rep, row, row, rep))
     assert np.array_equal(bits(sharded(*prob.arrays, pk)), bits(ref))

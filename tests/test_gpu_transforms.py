@@ -22,7 +22,8 @@ import pytest
 from jax_attn_dist import oracle
 from inputs import make_inputs, seed_of
 from jax_attn_dist import attn_dist
-from jax_attn_dist._contract import FFI_INDEXER_FWD, FFI_TARGET
+from jax_attn_dist.ops.indexer.contract import FWD_FFI_TARGET as FFI_INDEXER_FWD
+from jax_attn_dist.ops.attn_dist.contract import FFI_TARGET
 from grad_util import assert_grad_close, plain_attn_dist
 
 pytestmark = pytest.mark.gpu

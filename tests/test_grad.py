@@ -12,7 +12,10 @@ import pytest
 
 from grad_util import assert_grad_close, plain_attn_dist
 from inputs import make_inputs, seed_of
-from jax_attn_dist import _contract, attn_dist, backward
+from jax_attn_dist import attn_dist
+from jax_attn_dist.ops.attn_dist import contract as attn_contract
+from jax_attn_dist._core import checks
+from jax_attn_dist.ops.attn_dist import backward
 from jaxpr_util import iter_eqns
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -165,7 +168,7 @@ def test_chunked_backward_equals_single_chunk():
     qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
     g = jnp.asarray(rng.standard_normal((3, 1, 7, 9)), F32)
     params = dict(sm_scale=kw["sm_scale"], causal=kw["causal"], k_stride=kw["k_stride"], lse_base=kw["lse_base"])
-    none = _contract.no_row_ranges(3, 7)
+    none = checks.no_row_ranges(3, 7)
     whole = backward.attn_dist_bwd_canonical(q, k, idx, lse, qs, none, g, **params)
     for chunk in (4, 5, 8):  # 21 rows: 6 chunks with an overlap; 5 chunks overlapping; 3 chunks
         part = jax.jit(lambda *a: backward.attn_dist_bwd_canonical(*a, chunk=chunk, **params))(q, k, idx, lse, qs,
@@ -181,8 +184,8 @@ def test_public_grad_through_chunk_loop(monkeypatch):
     seed = seed_of("grad-public-chunks")
     rng = np.random.default_rng(seed)
     q, k, idx, lse, kw = make_inputs(seed, B=2, S=5, H=4, D=8, N=6, T=5, dtype=BF16, q_start_index="batch", lse_noise=0.3)
-    assert backward.backward_chunk_rows(_contract.check_canonical(q, k, idx, lse, jnp.zeros(2, jnp.int32),
-                                                                 _contract.no_row_ranges(2, 5))) == 1
+    assert backward.backward_chunk_rows(attn_contract.check_canonical(q, k, idx, lse, jnp.zeros(2, jnp.int32),
+                                                                 checks.no_row_ranges(2, 5))) == 1
     cot = jnp.asarray(rng.standard_normal((2, 1, 5, 5)), F32)
     (dq, dk, dlse), (dq_p, dk_p, dlse_p) = vjps(q, k, idx, lse, kw, cot)
     assert_grad_close(dq, dq_p, "dq", 1e-2)
@@ -218,7 +221,7 @@ def test_backward_memory_bounded_at_benchmark_size():
         jax.ShapeDtypeStruct((B, S, H, D), BF16), jax.ShapeDtypeStruct((B, N, 1, D), BF16),
         jax.ShapeDtypeStruct((B, S, 1, T), jnp.int32), jax.ShapeDtypeStruct((B, S, H), F32),
     )
-    f = lambda q, k, i, l: attn_dist(q, k, i, l, sm_scale=0.1, q_start_index=N - S, implementation="xla").sum()
+    f = lambda q, k, i, l: attn_dist(q, k, i, l, lse_base="2", sm_scale=0.1, q_start_index=N - S, implementation="xla").sum()
     jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 3)))(*args)
 
     def walk(jx):

@@ -15,9 +15,9 @@ from jax import export
 
 from grad_util import assert_grad_close, plain_indexer_kl
 from inputs import INT32_MAX, INT32_MIN, make_indexer_inputs, seed_of
+from jax_attn_dist._core import checks, ext
+from jax_attn_dist.ops.indexer import contract as indexer_contract
 from jax_attn_dist import (
-    _contract,
-    _ext,
     attn_dist,
     indexer_kernel_supports,
     indexer_kl,
@@ -27,8 +27,8 @@ from jax_attn_dist import (
     oracle,
     synthetic,
 )
-from jax_attn_dist._chunks import sorted_segment_scatter_add
-from jax_attn_dist.reference import indexer_reference_canonical
+from jax_attn_dist._core.chunks import sorted_segment_scatter_add
+from jax_attn_dist.ops.indexer.reference import indexer_reference_canonical
 from jaxpr_util import iter_eqns
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -116,7 +116,7 @@ def test_chunk_loop(chunk):
                                                   q_start_index="batch", dtype=F32)
     qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
     params = dict(scale=kw["scale"], causal=kw["causal"], k_stride=kw["k_stride"])
-    none = _contract.no_row_ranges(2, 9)
+    none = checks.no_row_ranges(2, 9)
     whole = indexer_reference_canonical(iq, ik, w, idx, tgt, qs, none, **params)
     part = jax.jit(lambda *a: indexer_reference_canonical(*a, chunk=chunk, **params))(iq, ik, w, idx, tgt, qs, none)
     for a, b in zip(part, whole):
@@ -292,8 +292,8 @@ def _good(batched=False):
 BAD = [
     ("index_q rank", dict(index_q=jnp.zeros((5, 4), BF16)), ValueError, "`index_q` must have rank 3"),
     ("index_k DI", dict(index_k=jnp.zeros((7, 8), BF16)), ValueError, "`index_k` must have shape .*DI = 16"),
-    ("index_k dtype", dict(index_k=jnp.zeros((7, 16), F32)), TypeError, "`index_k` must have the dtype of"),
-    ("index_q dtype", dict(index_q=jnp.zeros((5, 4, 16), jnp.int8)), TypeError, "`index_q` must have dtype"),
+    ("index_k dtype", dict(index_k=jnp.zeros((7, 16), F32)), TypeError, "`index_q` and `index_k` must have the same dtype"),
+    ("index_q dtype", dict(index_q=jnp.zeros((5, 4, 16), jnp.int8)), TypeError, "`index_q` and `index_k` must have the same dtype"),
     ("weights shape", dict(weights=jnp.zeros((5, 3), F32)), ValueError, r"`weights` must have shape \[S, HI\]"),
     ("weights dtype", dict(weights=jnp.zeros((5, 4), F16)), TypeError, "`weights` must have dtype float32 or"),
     ("indices HK", dict(indices=jnp.zeros((5, 2, 3), jnp.int32)), ValueError, r"`indices` must have shape \[S, 1, T\]"),
@@ -340,13 +340,13 @@ def test_indexer_loss_bad_inputs_name_indexer_loss():
     p = synthetic.make_problem(S=4, N=8, H=4, T=3, D=16, seed=0)
     ix = synthetic.make_indexer(p, HI=2, DI=16)
     with pytest.raises(ValueError, match="indexer_loss: `index_k` must have shape"):
-        indexer_loss(p.q, p.k, p.lse, ix.index_q, ix.index_k[:, :8], ix.weights, p.indices, sm_scale=0.1)
+        indexer_loss(p.q, p.k, p.lse, ix.index_q, ix.index_k[:, :8], ix.weights, p.indices, lse_base="2", sm_scale=0.1)
     with pytest.raises(ValueError, match="indexer_loss: `scale` must be a finite positive"):
-        indexer_loss(p.q, p.k, p.lse, *ix.arrays, p.indices, sm_scale=0.1, scale=-1.0)
+        indexer_loss(p.q, p.k, p.lse, *ix.arrays, p.indices, lse_base="2", sm_scale=0.1, scale=-1.0)
     with pytest.raises(ValueError, match="indexer_loss: `k` must have one kv head"):
         k2 = jnp.concatenate([p.k, p.k], axis=1)
         idx2 = jnp.concatenate([p.indices, p.indices], axis=1)
-        indexer_loss(p.q, k2, p.lse, *ix.arrays, idx2, sm_scale=0.1)
+        indexer_loss(p.q, k2, p.lse, *ix.arrays, idx2, lse_base="2", sm_scale=0.1)
 
 
 # ----------------------------------------------------------------------------
@@ -358,8 +358,8 @@ def _lower(fn, args, platform):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
-_CALL = re.compile(rf"stablehlo\.custom_call @{_contract.FFI_INDEXER_FWD}\(")
-_BWD_CALL = re.compile(rf"stablehlo\.custom_call @{_contract.FFI_INDEXER_BWD}\(")
+_CALL = re.compile(rf"stablehlo\.custom_call @{indexer_contract.FWD_FFI_TARGET}\(")
+_BWD_CALL = re.compile(rf"stablehlo\.custom_call @{indexer_contract.BWD_FFI_TARGET}\(")
 
 
 @pytest.mark.parametrize("HI,DI,wdt", [(64, 128, F32), (1, 64, BF16), (200, 128, F32)])
@@ -375,24 +375,24 @@ def test_cuda_lowering_calls_the_kernel(cross_lowering, HI, DI, wdt):
     # where it applies (HI <= 64), else the jnp backward
     g = _lower(jax.grad(lambda a: f(a, ik, w, idx, tgt, qs).sum()), (iq,), "cuda")
     assert len(_CALL.findall(g)) == 1
-    assert len(_BWD_CALL.findall(g)) == (1 if HI <= _contract.INDEXER_BWD_KERNEL_MAX_HEADS else 0)
-    assert _contract.FFI_INDEXER_FWD not in _lower(f, (iq, ik, w, idx, tgt, qs), "cpu")
+    assert len(_BWD_CALL.findall(g)) == (1 if HI <= indexer_contract.BWD_KERNEL_MAX_HEADS else 0)
+    assert indexer_contract.FWD_FFI_TARGET not in _lower(f, (iq, ik, w, idx, tgt, qs), "cpu")
 
 
-def test_cuda_lowering_of_the_backward(cross_lowering):
+def test_cuda_lowering_of_the_backward(cross_lowering, fake_kernel_available):
     """The backward kernel's call in both modes: the deterministic attribute
     and its workspace (int64 sums [B, N, DI] + one word, as bytes; none in
     float32 mode), and the f32 d index_k cast to index_k's dtype."""
     iq, ik, w, idx, tgt, kw = make_indexer_inputs(0, B=2, S=4, HI=16, DI=64, N=9, T=5, weights_dtype=BF16)
-    problem = _contract.check_indexer_problem(iq, ik, w, idx, tgt)
-    assert _contract.indexer_bwd_kernel_supports(problem) == (True, "supported")
-    assert _contract.indexer_bwd_kernel_supports(problem, deterministic=True) == (True, "supported")
+    problem = indexer_contract.check_problem(iq, ik, w, idx, tgt)
+    assert indexer_contract.bwd_kernel_supports(problem) == (True, "supported")
+    assert indexer_contract.bwd_kernel_supports(problem, deterministic=True) == (True, "supported")
     for deterministic, workspace in ((False, 0), (True, 8 * (2 * 9 * 64 + 1))):
         loss = lambda a, b, c: indexer_kl(a, b, c, idx, tgt, deterministic=deterministic, **kw).sum()  # noqa: E731
         text = _lower(jax.grad(loss, argnums=(0, 1, 2)), (iq, ik, w), "cuda")
         assert len(_BWD_CALL.findall(text)) == 1, deterministic
         assert len(_CALL.findall(text)) == 1
-        call = text[text.index(f"@{_contract.FFI_INDEXER_BWD}("):]
+        call = text[text.index(f"@{indexer_contract.BWD_FFI_TARGET}("):]
         call = call[:call.index("\n")]
         assert f"deterministic = {str(deterministic).lower()}" in call, call
         assert f"tensor<{workspace}xui8>" in call, call
@@ -406,15 +406,15 @@ def test_cuda_lowering_uses_xla_where_the_kernel_does_not_apply(cross_lowering, 
     shape = dict(HI=4, DI=64, dtype=BF16)
     shape.update(change)
     iq, ik, w, idx, tgt, kw = make_indexer_inputs(0, S=3, N=9, T=5, **shape)
-    problem = _contract.check_indexer_problem(iq, ik, w, idx, tgt)
+    problem = indexer_contract.check_problem(iq, ik, w, idx, tgt)
     assert not indexer_kernel_supports(problem)[0]
-    assert _contract.FFI_INDEXER_FWD not in _lower(lambda *a: indexer_kl(*a, **kw), (iq, ik, w, idx, tgt), "cuda")
+    assert indexer_contract.FWD_FFI_TARGET not in _lower(lambda *a: indexer_kl(*a, **kw), (iq, ik, w, idx, tgt), "cuda")
     with pytest.raises((ValueError, RuntimeError), match="implementation='cuda'"):
         _lower(lambda *a: indexer_kl(*a, implementation="cuda", **kw), (iq, ik, w, idx, tgt), "cuda")
 
 
 def test_implementation_cuda_lowering_for_cpu_raises(monkeypatch):
-    monkeypatch.setattr(_ext, "_state", _ext._State(True, "registered: (fake for tests)"))
+    monkeypatch.setattr(ext, "_state", ext._State(True, "registered: (fake for tests)"))
     iq, ik, w, idx, tgt, kw = make_indexer_inputs(0, S=3, HI=4, DI=64, N=9, T=5)
     with pytest.raises(ValueError, match="needs a CUDA device; lowering for cpu"):
         _lower(lambda *a: indexer_kl(*a, implementation="cuda", **kw), (iq, ik, w, idx, tgt), "cpu")
@@ -426,11 +426,11 @@ def test_export_for_cuda_and_cpu(cross_lowering):
     iq, ik, w, idx, tgt, kw = make_indexer_inputs(seed_of("indexer-export"), S=6, HI=4, DI=64, N=9, T=5)
     f = jax.jit(lambda *a: indexer_kl(*a, **kw))
     exp = export.export(f, platforms=["cuda", "cpu"],
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call(_contract.FFI_INDEXER_FWD)])(
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(indexer_contract.FWD_FFI_TARGET)])(
         iq, ik, w, idx, tgt)
-    assert _contract.FFI_INDEXER_FWD in exp.mlir_module()
+    assert indexer_contract.FWD_FFI_TARGET in exp.mlir_module()
     pytest.importorskip("flatbuffers", reason="Exported.serialize needs the flatbuffers package")
     back = export.deserialize(exp.serialize())
     np.testing.assert_allclose(back.call(iq, ik, w, idx, tgt), f(iq, ik, w, idx, tgt), rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError, match=_contract.FFI_INDEXER_FWD):
+    with pytest.raises(ValueError, match=indexer_contract.FWD_FFI_TARGET):
         export.export(f, platforms=["cuda"])(iq, ik, w, idx, tgt)

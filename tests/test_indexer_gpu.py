@@ -14,12 +14,14 @@ from grad_util import assert_grad_close
 from indexer_cases import (Case, bwd_cotangent, check_bwd_case, check_case, make_case_inputs, run_bwd_kernel,
                            run_kernel, sweep_cases)
 from inputs import make_indexer_inputs, seed_of
-from jax_attn_dist import _contract, indexer_kl, indexer_loss, oracle, synthetic
+from jax_attn_dist import indexer_kl, indexer_loss, oracle, synthetic
+from jax_attn_dist.ops.attn_dist import contract as attn_contract
+from jax_attn_dist.ops.indexer import contract as indexer_contract
 
 pytestmark = pytest.mark.gpu
 
 SWEEP = sweep_cases(40)
-BWD_SWEEP = [c for c in SWEEP if c.HI <= _contract.INDEXER_BWD_KERNEL_MAX_HEADS]
+BWD_SWEEP = [c for c in SWEEP if c.HI <= indexer_contract.BWD_KERNEL_MAX_HEADS]
 
 
 @pytest.mark.parametrize("case", SWEEP, ids=[c.name for c in SWEEP])
@@ -140,11 +142,11 @@ def test_public_api_uses_the_kernel_with_traced_q_start():
                                                   T=300, q_start_index="batch", weights_dtype=jnp.bfloat16)
     qs = kw.pop("q_start_index")
     f = jax.jit(lambda a, b, c, d, e, s: indexer_kl(a, b, c, d, e, q_start_index=s, implementation="cuda", **kw))
-    assert _contract.FFI_INDEXER_FWD in f.lower(iq, ik, w, idx, tgt, qs).as_text()
+    assert indexer_contract.FWD_FFI_TARGET in f.lower(iq, ik, w, idx, tgt, qs).as_text()
     got = f(iq, ik, w, idx, tgt, qs)
     oracle.assert_indexer_close(got, oracle.indexer_kl_oracle(iq, ik, w, idx, tgt, q_start_index=qs, **kw))
     default = jax.jit(lambda *a: indexer_kl(*a, q_start_index=qs, **kw))
-    assert _contract.FFI_INDEXER_FWD in default.lower(iq, ik, w, idx, tgt).as_text()  # the default on a GPU
+    assert indexer_contract.FWD_FFI_TARGET in default.lower(iq, ik, w, idx, tgt).as_text()  # the default on a GPU
     # unbatched
     got0 = jax.jit(lambda *a: indexer_kl(*a, q_start_index=qs[0], implementation="cuda", **kw))(
         iq[0], ik[0], w[0], idx[0], tgt[0])
@@ -170,7 +172,7 @@ def test_kernel_path_gradients(deterministic):
 
     text = jax.jit(jax.grad(lambda a: jnp.sum(indexer_kl(a, ik, w, idx, tgt, q_start_index=qs, implementation="cuda",
                                                           deterministic=deterministic, **kw)))).lower(iq).as_text()
-    assert _contract.FFI_INDEXER_BWD in text  # both modes have a kernel
+    assert indexer_contract.BWD_FFI_TARGET in text  # both modes have a kernel
     got, xla = grads("cuda"), grads("xla")
     want = oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, q_start_index=qs, **kw)
     for name, a, b, o in zip(("d_index_q", "d_index_k", "d_weights"), got, xla, want):
@@ -188,7 +190,7 @@ def test_indexer_loss_on_both_kernels():
     f = jax.jit(lambda *a: indexer_loss(*a, implementation="cuda", **p.kwargs))
     args = (p.q, p.k, p.lse, *ix.arrays, p.indices)
     text = f.lower(*args).as_text()
-    assert _contract.FFI_TARGET in text and _contract.FFI_INDEXER_FWD in text
+    assert attn_contract.FFI_TARGET in text and indexer_contract.FWD_FFI_TARGET in text
     got = f(*args)
     mass = oracle.attn_dist_oracle(*p.arrays, **p.kwargs).sum(axis=1)
     total = mass.sum(-1, keepdims=True)
@@ -216,7 +218,7 @@ def _raw_ffi(**change):
               target=jnp.float32, q_start=jnp.int32, row_ranges=jnp.int32)
     args = [jnp.zeros(shapes[n], dt[n]) for n in dt]
     out = jax.ShapeDtypeStruct(shapes["out"], jnp.float32)
-    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_FWD, (out, out))
+    call = jax.ffi.ffi_call(indexer_contract.FWD_FFI_TARGET, (out, out))
     return jax.block_until_ready(jax.jit(lambda *a: call(*a, scale=np.float32(attrs["scale"]), causal=True,
                                                          k_stride=np.int32(attrs["k_stride"])))(*args))
 
@@ -259,7 +261,7 @@ def _raw_bwd_ffi(HI=64, g_rows=4, deterministic=False, workspace=None):
         workspace = 8 * (32 * 128 + 1) if deterministic else 0
     outs = (jax.ShapeDtypeStruct((1, 4, HI, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 4, HI), jnp.float32),
             jax.ShapeDtypeStruct((1, 32, 128), jnp.float32), jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-    call = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD, outs)
+    call = jax.ffi.ffi_call(indexer_contract.BWD_FFI_TARGET, outs)
     return jax.block_until_ready(jax.jit(lambda *a: call(*a, scale=np.float32(1.0), causal=True,
                                                          k_stride=np.int32(1), deterministic=deterministic))(*args))[:3]
 

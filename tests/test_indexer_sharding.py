@@ -15,7 +15,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from inputs import make_indexer_inputs, seed_of
-from jax_attn_dist import _contract, indexer_kl, oracle
+from jax_attn_dist import indexer_kl, oracle
+from jax_attn_dist.ops.indexer import contract as indexer_contract
 
 pytestmark = pytest.mark.host_devices(8)
 
@@ -179,5 +180,5 @@ def test_cuda_lowering_of_shard_map_has_a_per_shard_kernel_call(cross_lowering):
     f = jax.shard_map(lambda a, b, c, d, e: indexer_kl(a, b, c, d, e, q_start_index=jax.lax.axis_index("sp") * 8),
                       mesh=mesh, in_specs=(P("sp"), P(), P("sp"), P("sp"), P("sp")), out_specs=P("sp"))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = re.findall(rf"stablehlo\.custom_call @{_contract.FFI_INDEXER_FWD}\((.*)", text)
+    calls = re.findall(rf"stablehlo\.custom_call @{indexer_contract.FWD_FFI_TARGET}\((.*)", text)
     assert len(calls) == 1 and "tensor<1x8x64x128xbf16>" in calls[0], calls

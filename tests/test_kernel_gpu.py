@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import jax_attn_dist
-from jax_attn_dist import _contract, oracle
+from jax_attn_dist import oracle
+from jax_attn_dist.ops.attn_dist import contract as attn_contract
+from jax_attn_dist._core import checks
 from kernel_cases import Case, check_case, make_case_inputs, run_kernel, sweep_cases
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +27,7 @@ def test_sweep_matches_float64(case):
 
 
 @pytest.mark.parametrize("H", [64, 128])
-@pytest.mark.parametrize("D", _contract.KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("D", attn_contract.KERNEL_HEAD_DIMS)
 def test_full_topk_blocks(H, D):
     check_case(Case(S=16, H=H, T=2048, D=D, N=4096, invalid_fraction=0.1, seed=H + D))
 
@@ -54,7 +56,7 @@ def test_public_api_uses_kernel_with_traced_q_start():
     f = jax.jit(lambda q, k, i, l, qs: jax_attn_dist.attn_dist(q, k, i, l, q_start_index=qs,
                                                                implementation="cuda", **kw))
     hlo = f.lower(q, k, idx, lse, q_start).as_text()
-    assert _contract.FFI_TARGET in hlo
+    assert attn_contract.FFI_TARGET in hlo
     out = np.asarray(f(q, k, idx, lse, q_start))
     ref = oracle.attn_dist_oracle(q, k, idx, lse, q_start_index=q_start, **kw)
     oracle.assert_within_spec(out, ref)
@@ -72,7 +74,7 @@ def test_empty_problems_launch_nothing():
         k = jnp.zeros((16, 1, 576), jnp.bfloat16)
         idx = jnp.zeros((S, 1, T), jnp.int32)
         lse = jnp.zeros((S, 64), jnp.float32)
-        out = jax_attn_dist.attn_dist(q, k, idx, lse, sm_scale=0.1, implementation="cuda")
+        out = jax_attn_dist.attn_dist(q, k, idx, lse, lse_base="2", sm_scale=0.1, implementation="cuda")
         assert out.shape == (1, S, T)
 
 
@@ -85,7 +87,7 @@ def test_k_larger_than_2_pow_31_elements():
     k = jax.random.normal(jax.random.key(0), (1, N, 1, D), jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((1, S, H, D)).astype(np.float32), jnp.bfloat16)
     idx = rng.integers(N - 2000, N + 3, (1, S, 1, T)).astype(np.int64)
-    idx[..., :4] = [N - 1, N, _contract.INT32_MAX, _contract.INT32_MIN]
+    idx[..., :4] = [N - 1, N, checks.INT32_MAX, checks.INT32_MIN]
     idx = idx.astype(np.int32)
     # Oracle on the gathered rows only (a local K), remapping valid indices.
     uniq = np.unique(idx[(idx >= 0) & (idx < N)])
@@ -108,7 +110,7 @@ def _raw_ffi(q_shape, k_shape, idx_shape, lse_shape, qs_shape, out_shape, *, ran
         ranges_shape = q_shape[:2] + (0,)
     args = (jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16), jnp.zeros(idx_shape, jnp.int32),
             jnp.zeros(lse_shape, jnp.float32), jnp.zeros(qs_shape, jnp.int32), jnp.zeros(ranges_shape, jnp.int32))
-    call = jax.ffi.ffi_call(_contract.FFI_TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
+    call = jax.ffi.ffi_call(attn_contract.FFI_TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
     return jax.block_until_ready(jax.jit(lambda *a: call(*a, sm_scale=np.float32(sm_scale), causal=True,
                                                          k_stride=np.int32(k_stride), lse_base_e=False))(*args))
 

@@ -14,6 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from grad_util import assert_grad_close, plain_attn_dist
 from inputs import INT32_MAX, INT32_MIN, make_indexer_inputs, seed_of
 from jax_attn_dist import attn_dist, cu_seqlens_from_segment_ids, indexer_kl, indexer_loss, oracle
+from jax_attn_dist._core import chunks, packing
+from jax_attn_dist.ops.indexer import contract as indexer_contract
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 BAD_POOL = np.array([INT32_MIN, -1, -7, INT32_MAX], np.int64)
@@ -469,33 +471,33 @@ BAD = [
 @pytest.mark.parametrize("name,kw,exc,msg", BAD, ids=[b[0] for b in BAD])
 def test_bad_inputs(name, kw, exc, msg):
     with pytest.raises(exc, match="attn_dist: " + msg):
-        attn_dist(*_attn_args(), sm_scale=0.1, **kw)
+        attn_dist(*_attn_args(), sm_scale=0.1, lse_base="e", **kw)
     q, k, idx, lse = _attn_args()
     iq, ik, w, tgt = q, k[:, 0], lse, jnp.zeros((5, 3), F32)
     with pytest.raises(exc, match="indexer_kl: " + msg):
         indexer_kl(iq, ik, w, idx, tgt, **kw)
     with pytest.raises(exc, match="indexer_loss: " + msg):
-        indexer_loss(q, k, lse, iq, ik, w, idx, sm_scale=0.1, **kw)
+        indexer_loss(q, k, lse, iq, ik, w, idx, sm_scale=0.1, lse_base="e", **kw)
 
 
 def test_cu_seqlens_need_unbatched_inputs():
     with pytest.raises(ValueError, match="attn_dist: `cu_seqlens_q`/`cu_seqlens_k` are accepted only with unbatched"):
-        attn_dist(*_attn_args(batched=True), sm_scale=0.1, cu_seqlens_q=CU, cu_seqlens_k=CU)
+        attn_dist(*_attn_args(batched=True), lse_base="2", sm_scale=0.1, cu_seqlens_q=CU, cu_seqlens_k=CU)
 
 
 def test_traced_wide_cu_seqlens_rejected():
     with jax.enable_x64(True), pytest.raises(TypeError, match="a traced `cu_seqlens_q` must be int32"):
-        jax.jit(lambda c: attn_dist(*_attn_args(), sm_scale=0.1, cu_seqlens_q=c, cu_seqlens_k=CU))(
+        jax.jit(lambda c: attn_dist(*_attn_args(), lse_base="2", sm_scale=0.1, cu_seqlens_q=c, cu_seqlens_k=CU))(
             CU.astype(jnp.int64))
 
 
 def test_empty_problem_with_packing():
     q, k, idx, lse = (x[:0] for x in _attn_args())
-    out = attn_dist(q, k, idx[:, :, :], lse, sm_scale=0.1, cu_seqlens_q=CU, cu_seqlens_k=CU,
+    out = attn_dist(q, k, idx[:, :, :], lse, lse_base="2", sm_scale=0.1, cu_seqlens_q=CU, cu_seqlens_k=CU,
                     q_start_index=jnp.zeros((2,), jnp.int32))
     assert out.shape == (1, 0, 3)
     q, k, idx, lse = _attn_args()
-    out = indexer_loss(q, k, lse, q, k[:, 0], lse, idx[..., :0], sm_scale=0.1, cu_seqlens_q=CU, cu_seqlens_k=CU,
+    out = indexer_loss(q, k, lse, q, k[:, 0], lse, idx[..., :0], lse_base="2", sm_scale=0.1, cu_seqlens_q=CU, cu_seqlens_k=CU,
                        q_start_index=jnp.zeros((2,), jnp.int32), topk_length=jnp.zeros((5,), jnp.int32))
     assert out.shape == (5,) and np.all(np.asarray(out) == 0)
 
@@ -534,13 +536,12 @@ def _every_key(S, N, lead=()):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-claims", "difference-arrays"])
 @pytest.mark.parametrize("seed", range(8))
 def test_row_ranges_match_oracle_on_random_boundaries(seed, fused, monkeypatch):
-    """packing.row_ranges + _chunks.in_row_ranges (the rule every path
+    """packing.row_ranges + chunks.in_row_ranges (the rule every path
     applies; the claimers found either way) equal the oracle's SPEC §6
     validity slot by slot, on random
     boundaries (odd seeds malformed: decreasing, negative, past S or N,
     int32 extremes), random per-sequence starts (extremes included),
     k_stride 1..3, causal or not, and random topk_length."""
-    from jax_attn_dist import _chunks, _contract, packing
 
     monkeypatch.setattr(packing, "FUSED_CLAIMS", 1 << 30 if fused else 0)  # both ways to find the claimers
     rng = np.random.default_rng(seed_of("row-ranges-random", seed))
@@ -565,9 +566,9 @@ def test_row_ranges_match_oracle_on_random_boundaries(seed, fused, monkeypatch):
     for causal in (True, False):
         for ks in (1, 2, 3):
             pk = dict(topk_length=i32(topk), cu_seqlens_q=i32(cu_q), cu_seqlens_k=i32(cu_k))
-            packed = _contract.Packing(q_start_index=i32(q_start), **pk)
+            packed = packing.Packing(q_start_index=i32(q_start), **pk)
             ranges = packing.row_ranges(packed, S=S, N=N, T=T, causal=causal, k_stride=ks)
-            got = np.asarray(_chunks.in_row_ranges(jnp.asarray(idx), ranges, N=N))
+            got = np.asarray(chunks.in_row_ranges(jnp.asarray(idx), ranges, N=N))
             want = oracle.valid_mask(idx[None], N, causal=causal, q_start_index=q_start, k_stride=ks,
                                      **pk)[0]
             np.testing.assert_array_equal(got, want, err_msg=f"causal={causal} k_stride={ks}")
@@ -577,7 +578,6 @@ def test_row_ranges_match_oracle_on_random_boundaries(seed, fused, monkeypatch):
 def test_row_ranges_topk_alone_batched(q_start):
     """topk_length alone (batched, per-batch q_start with int32 extremes): the
     ranges hold the causal rule too."""
-    from jax_attn_dist import _chunks, _contract, packing
 
     rng = np.random.default_rng(seed_of("row-ranges-topk", str(q_start)))
     B, S, N = 3, 21, 30
@@ -587,9 +587,9 @@ def test_row_ranges_topk_alone_batched(q_start):
     topk = rng.integers(-3, T + 3, (B, S))
     for causal in (True, False):
         for ks in (1, 2, 4):
-            packed = _contract.Packing(topk_length=i32(topk), q_start_index=qs if isinstance(qs, int) else i32(qs))
+            packed = packing.Packing(topk_length=i32(topk), q_start_index=qs if isinstance(qs, int) else i32(qs))
             ranges = packing.row_ranges(packed, S=S, N=N, T=T, causal=causal, k_stride=ks, batch=B)
-            got = np.asarray(_chunks.in_row_ranges(jnp.asarray(idx).reshape(B * S, 1, T),
+            got = np.asarray(chunks.in_row_ranges(jnp.asarray(idx).reshape(B * S, 1, T),
                                                    ranges.reshape(B * S, 3), N=N)).reshape(idx.shape)
             want = oracle.valid_mask(idx, N, causal=causal, q_start_index=qs, k_stride=ks, topk_length=topk)
             np.testing.assert_array_equal(got, want, err_msg=f"causal={causal} k_stride={ks}")
@@ -599,13 +599,12 @@ def test_cuda_lowering_passes_row_ranges_to_the_kernels(cross_lowering):
     """On CUDA, a packed call hands its per-row ranges [1, S, 3] to the
     kernels' custom calls (forward and backward); the indices reach them
     unmasked (no [S, T] select before the call)."""
-    from jax_attn_dist import _contract
 
     case = dict(name="lowering", S=16, N=20, T=8, cu_q=[0, 7, 14], cu_k=[0, 9, 18], topk=[3] * 16)
     iq, ik, w, idx, tgt, rule, pk = indexer_problem(case, dtype=BF16, HI=16, DI=64)
     fn = lambda a, b, c: jnp.sum(indexer_kl(a, b, c, idx, tgt, **rule, **pk))  # noqa: E731
     text = jax.jit(jax.grad(fn, argnums=(0, 1, 2))).trace(iq, ik, w).lower(lowering_platforms=("cuda",)).as_text()
-    for target in (_contract.FFI_INDEXER_FWD, _contract.FFI_INDEXER_BWD):
+    for target in (indexer_contract.FWD_FFI_TARGET, indexer_contract.BWD_FFI_TARGET):
         call = text[text.index(f"stablehlo.custom_call @{target}("):]
         call = call[:call.index("\n")]
         assert "tensor<1x16x3xi32>" in call, call

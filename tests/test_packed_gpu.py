@@ -18,7 +18,10 @@ import indexer_cases
 import kernel_cases
 from indexer_cases import assert_bwd_within_bound
 from inputs import INT32_MAX, INT32_MIN, make_indexer_inputs, seed_of
-from jax_attn_dist import _contract, attn_dist, indexer_kl, oracle
+from jax_attn_dist import attn_dist, indexer_kl, oracle
+from jax_attn_dist.ops.attn_dist import contract as attn_contract
+from jax_attn_dist.ops.indexer import contract as indexer_contract
+from jax_attn_dist._core import checks
 from test_packed import CASES, attn_problem, indexer_problem, no_owner_rows, traced_call
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +41,7 @@ def test_attn_dist_kernel_on_packed_inputs(case):
     q, k, idx, lse, rule, pk = attn_problem(case, H=64, D=576, dtype=BF16)
     fn = functools.partial(attn_dist, implementation="cuda")
     text = jax.jit(lambda *a: fn(*a, **rule, **pk)).lower(q, k, idx, lse).as_text()
-    assert _contract.FFI_TARGET in text
+    assert attn_contract.FFI_TARGET in text
     got = np.asarray(traced_call(fn, (q, k, idx, lse), rule, pk))
     want = oracle.attn_dist_oracle(q, k, idx, lse, **rule, **pk)
     if np.abs(want).max() == 0:
@@ -61,7 +64,7 @@ def test_indexer_kernels_on_packed_inputs(case, deterministic):
     g = jnp.asarray(np.random.default_rng(seed_of("packed-gpu-grad", case["name"])).standard_normal(case["S"]),
                     jnp.float32)
     grad = jax.jit(jax.grad(lambda a, b, c: jnp.sum(g * fn(a, b, c, idx, tgt, **rule, **pk)), argnums=(0, 1, 2)))
-    assert _contract.FFI_INDEXER_BWD in grad.lower(iq, ik, w).as_text()
+    assert indexer_contract.BWD_FFI_TARGET in grad.lower(iq, ik, w).as_text()
     got_g = grad(iq, ik, w)
     assert_bwd_within_bound(got_g, *oracle.indexer_grads_oracle(iq, ik, w, idx, tgt, g, **rule, magnitudes=True,
                                                                 **pk))
@@ -94,7 +97,7 @@ def adversarial_row_ranges(rng, B, S, N, T):
 
 
 def ranges_mask(indices, ranges, N):
-    """bool [B, S, 1, T]: the row-range rule of _contract.ROW_RANGE_FIELDS in
+    """bool [B, S, 1, T]: the row-range rule of checks.ROW_RANGE_FIELDS in
     Python integers (independent of the kernels' and the jnp path's)."""
     idx = np.asarray(indices).astype(np.int64)
     r = np.asarray(ranges).astype(np.int64)
@@ -194,10 +197,10 @@ def test_calls_without_row_ranges_still_run():
     idx = jnp.asarray(adversarial_indices(rng, B, S, T, N))
     lse = jnp.asarray(rng.uniform(3, 6, (B, S, H)).astype(np.float32))
     qs = jnp.asarray([150], jnp.int32)
-    none = _contract.no_row_ranges(B, S)
+    none = checks.no_row_ranges(B, S)
     attrs = dict(sm_scale=np.float32(0.05), causal=True, k_stride=np.int32(1), lse_base_e=False)
     out = jax.ShapeDtypeStruct((B, 1, S, T), jnp.float32)
-    call = jax.ffi.ffi_call(_contract.FFI_TARGET, out)
+    call = jax.ffi.ffi_call(attn_contract.FFI_TARGET, out)
     old = jax.jit(lambda *a: call(*a, **attrs))(q, k, idx, lse, qs)
     new = jax.jit(lambda *a: call(*a, **attrs))(q, k, idx, lse, qs, none)
     assert np.asarray(old).tobytes() == np.asarray(new).tobytes() and np.abs(np.asarray(old)).max() > 0
@@ -206,7 +209,7 @@ def test_calls_without_row_ranges_still_run():
                                                 dtype=BF16)
     attrs = dict(scale=np.float32(kw["scale"]), causal=True, k_stride=np.int32(1))
     row = jax.ShapeDtypeStruct((B, S), jnp.float32)
-    fwd = jax.ffi.ffi_call(_contract.FFI_INDEXER_FWD, (row, row))
+    fwd = jax.ffi.ffi_call(indexer_contract.FWD_FFI_TARGET, (row, row))
     operands = (iq, ik, w.astype(jnp.float32), idx, tgt, qs)
     kl_old, lse_old = jax.jit(lambda *a: fwd(*a, **attrs))(*operands)
     kl_new, lse_new = jax.jit(lambda *a: fwd(*a, **attrs))(*operands, none)
@@ -215,7 +218,7 @@ def test_calls_without_row_ranges_still_run():
 
     outs = (jax.ShapeDtypeStruct(iq.shape, jnp.bfloat16), jax.ShapeDtypeStruct(w.shape, jnp.float32),
             jax.ShapeDtypeStruct(ik.shape, jnp.float32), jax.ShapeDtypeStruct((0,), jnp.uint8))
-    bwd = jax.ffi.ffi_call(_contract.FFI_INDEXER_BWD, outs)
+    bwd = jax.ffi.ffi_call(indexer_contract.BWD_FFI_TARGET, outs)
     g = jnp.ones((B, S), jnp.float32)
     grads_old = jax.jit(lambda *a: bwd(*a, deterministic=False, **attrs))(*operands, lse_old, g)
     grads_new = jax.jit(lambda *a: bwd(*a, deterministic=False, **attrs))(*operands, lse_old, g, none)

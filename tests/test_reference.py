@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_attn_dist import _contract, oracle
+from jax_attn_dist import oracle
+from jax_attn_dist._core import checks
+from jax_attn_dist.ops.attn_dist import reference as attn_reference
 from inputs import INT32_MAX, INT32_MIN, make_inputs, seed_of
 from jax_attn_dist import attn_dist, attn_dist_reference
-from jax_attn_dist import reference as reference_mod
 from jax_attn_dist import synthetic
-from jax_attn_dist._chunks import chunk_rows
+from jax_attn_dist._core.chunks import chunk_rows
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -108,13 +109,13 @@ def test_chunk_loop(chunk):
     want = oracle.attn_dist_oracle(q, k, idx, lse, **kw)
     qs = jnp.asarray(kw["q_start_index"], jnp.int32)
     params = {n: kw[n] for n in ("sm_scale", "causal", "k_stride", "lse_base")}
-    f = jax.jit(functools.partial(reference_mod.reference_canonical, chunk=chunk, **params))
-    got = f(q, k, idx, lse, qs, _contract.no_row_ranges(2, 13))
+    f = jax.jit(functools.partial(attn_reference.reference_canonical, chunk=chunk, **params))
+    got = f(q, k, idx, lse, qs, checks.no_row_ranges(2, 13))
     oracle.assert_within_spec(got, want)
 
 
 def test_chunk_rows_bounded_for_benchmark_shape():
-    from jax_attn_dist._contract import Problem
+    from jax_attn_dist.ops.attn_dist.contract import Problem
 
     p = Problem(batched=False, B=1, S=4096, H=128, D=576, N=8192, HK=1, T=2048, dtype=jnp.dtype(BF16))
     c = chunk_rows(p)
@@ -170,7 +171,7 @@ def test_non_finite_lse_never_nan_with_extreme_q():
     k = jnp.full((N, 1, D), 8.0, BF16)
     idx = jnp.asarray(np.tile(np.arange(T), (S, 1, 1)), jnp.int32)
     lse = jnp.asarray(np.array([[np.inf, -np.inf, np.nan, 0.0]] * S, np.float32))
-    got = np.asarray(attn_dist(q, k, idx, lse, sm_scale=1.0, causal=False))
+    got = np.asarray(attn_dist(q, k, idx, lse, lse_base="2", sm_scale=1.0, causal=False))
     assert not np.any(np.isnan(got))
 
 
@@ -228,11 +229,11 @@ def test_empty_shapes(fn, dims):
     k = jnp.ones((B, N, 1, D), BF16)
     idx = jnp.zeros((B, S, 1, T), jnp.int32)
     lse = jnp.zeros((B, S, H), jnp.float32)
-    for f in (fn, jax.jit(fn, static_argnames=("sm_scale",))):
-        out = f(q, k, idx, lse, sm_scale=0.5)
+    for f in (fn, jax.jit(fn, static_argnames=("sm_scale", "lse_base"))):
+        out = f(q, k, idx, lse, sm_scale=0.5, lse_base="2")
         assert out.shape == (B, 2, S, T) and out.dtype == jnp.float32
         assert not np.any(np.asarray(out))
-    out = fn(q[0], k[0], idx[0], lse[0], sm_scale=0.5) if B else None
+    out = fn(q[0], k[0], idx[0], lse[0], sm_scale=0.5, lse_base="2") if B else None
     if out is not None:
         assert out.shape == (2, S, T)
 

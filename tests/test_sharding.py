@@ -364,7 +364,7 @@ def _kernel_specs(B=2, S=64, H=128, T=32, N=100, D=576):
 
 
 def _kernel_fn(q, k, i, l, s):
-    return attn_dist(q, k, i, l, sm_scale=0.1, q_start_index=s)
+    return attn_dist(q, k, i, l, lse_base="2", sm_scale=0.1, q_start_index=s)
 
 
 def test_cuda_lowering_shard_map_has_per_shard_kernel_call(cross_lowering):
@@ -441,10 +441,10 @@ def test_private_sharding_api_missing_gathers_and_warns(monkeypatch):
     the call must stay correct (everything gathered) and say so, not silently."""
     import jax._src.sharding_impls as sharding_impls
 
-    from jax_attn_dist import sharding as sharding_mod
+    from jax_attn_dist._core import partitioning
 
     monkeypatch.delattr(sharding_impls, "parse_flatten_op_sharding")
-    sharding_mod._warn_once.cache_clear()
+    partitioning._warn_once.cache_clear()
     c = Case("1d-seq-private-api-gone", X8, q=P(None, "x"), indices=P(None, "x"), S=24, clean=False)
     with pytest.warns(RuntimeWarning, match="cannot read operand shardings"):
         ref, out, hlo, _, _ = run_case(c)

@@ -18,6 +18,10 @@ Three things can stand between a user and the kernel, and each is reported:
   register, or it fails to import): a warning, once, and the XLA path -- or
   an error when the kernel is required.
 
+The kernels can run only where the extension is registered *and* jax sees a
+CUDA GPU of compute capability 9.0 (Hopper): :func:`kernel_status` reports
+both.
+
 The kernel is *required* when a call asks for ``implementation="cuda"`` or
 when the environment variable ``JAX_ATTN_DIST_REQUIRE_GPU`` is set to a
 number >= 1 (the GPU test suite and ``tools/gpu_check.sh`` set it; its value
@@ -35,7 +39,6 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from ._contract import FFI_TARGETS
 
 #: Set to N >= 1: the GPU tests fail (not skip) unless N CUDA GPUs and the
 #: kernel are usable, and extension errors raise instead of warning.
@@ -43,6 +46,16 @@ REQUIRE_GPU_ENV = "JAX_ATTN_DIST_REQUIRE_GPU"
 
 _lock = threading.Lock()
 _state: Optional["_State"] = None
+
+#: The FFI targets the ops of this package know (each op declares its own,
+#: test-only ones included, when its primitive module is imported).
+_declared_targets: set = set()
+
+
+def declare_ffi_targets(*names: str) -> None:
+    """An op's FFI target names: an extension that registers others was
+    built from other sources (a stale build)."""
+    _declared_targets.update(names)
 
 
 def required_gpus() -> int:
@@ -65,11 +78,13 @@ def required_gpus() -> int:
 def build_id_of(root) -> str:
     """The build identity of the sources under ``root``: the SHA-256 of the
     lines ``"<relative path> <sha256 of the file>\\n"`` for every file under
-    ``csrc/`` and for ``CMakeLists.txt``, in sorted path order. CMakeLists.txt
-    computes the same string at configure time and compiles it into the
-    extension (``_cuda.build_id()``)."""
+    ``csrc/``, for ``CMakeLists.txt`` and for each op's kernel variant list
+    (``jax_attn_dist/ops/*/variants.py``), in sorted path order.
+    CMakeLists.txt computes the same string at configure time and compiles it
+    into the extension (``_cuda.build_id()``)."""
     root = Path(root)
     paths = ["CMakeLists.txt"]
+    paths += [p.relative_to(root).as_posix() for p in (root / "jax_attn_dist" / "ops").glob("*/variants.py")]
     for dirpath, _, files in os.walk(root / "csrc"):
         for name in files:
             paths.append((Path(dirpath) / name).relative_to(root).as_posix())
@@ -109,7 +124,7 @@ def _installed_extension():
         dist = importlib.metadata.distribution("jax_attn_dist")
     except importlib.metadata.PackageNotFoundError:
         return None
-    from . import __version__
+    from .. import __version__
 
     if dist.version != __version__:  # its FFI contract may differ from this source tree's
         return None
@@ -126,7 +141,7 @@ def _import_extension():
     """(module or None, why not). An extension file that exists but fails to
     import is a problem, not an absence."""
     try:
-        from . import _cuda  # type: ignore[attr-defined]
+        from .. import _cuda  # type: ignore[attr-defined]
 
         return _cuda, None
     except ImportError as e:
@@ -168,7 +183,7 @@ def _load() -> _State:
         msg = f"registering the CUDA FFI targets failed: {type(e).__name__}: {e}"
         return _State(False, msg, problem=msg, module=_cuda)
     reason = "registered: " + ", ".join(sorted(registrations))
-    unknown = sorted(set(registrations) - set(FFI_TARGETS))
+    unknown = sorted(set(registrations) - _declared_targets)
     if unknown and stale is None:
         stale = f"the CUDA extension registers FFI targets this package does not know: {unknown}"
     return _State(True, reason + (f" (stale: {stale})" if stale else ""), problem=stale, module=_cuda)
@@ -193,11 +208,36 @@ def ensure_registered(required: bool = False):
     return _state.available, _state.reason
 
 
-def kernel_available(required: bool = False) -> bool:
+def extension_registered(required: bool = False) -> bool:
     """True when the compiled CUDA extension imported and its FFI handlers are
     registered with XLA for CUDA. (It says nothing about whether a GPU is
-    present: see ``jax.default_backend()``.)"""
+    present: see :func:`kernel_status`.)"""
     return ensure_registered(required)[0]
+
+
+def hopper_gpus() -> list:
+    """The CUDA devices jax sees whose compute capability is 9.x (the sm_90a
+    kernels run there and nowhere else); [] without a CUDA backend."""
+    import jax
+
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return []
+    return [d for d in devices if str(getattr(d, "compute_capability", "")).startswith("9.")]
+
+
+def kernel_status():
+    """``(extension, gpus, detail)``: whether the extension is built and
+    registered, the Hopper GPUs jax sees, and a one-line description."""
+    registered = extension_registered()
+    gpus = hopper_gpus()
+    ext_text = "extension built and registered" if registered else f"no extension ({kernel_unavailable_reason()})"
+    if gpus:
+        gpu_text = f"{len(gpus)} Hopper GPU(s) visible ({gpus[0].device_kind})"
+    else:
+        gpu_text = "no Hopper (sm_90) GPU visible to jax"
+    return registered, gpus, f"{ext_text}; {gpu_text}"
 
 
 def kernel_unavailable_reason() -> str:

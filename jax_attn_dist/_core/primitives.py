@@ -1,17 +1,17 @@
-"""The logical primitives and their lowerings: ``attn_dist_p`` here, the
-indexer's in ``indexer_primitive.py`` (both built with the helpers below).
+"""The machinery every op's primitives are built with: definition, the
+per-platform lowering choice (kernel or jnp path), and the kernel
+requirement the public functions share.
 
-Two layers per op:
+Two layers per op (each op's ``primitive`` module defines them):
 
 * The outer, logical primitive always sees canonical, batched operands (for
   attn_dist: q [B,S,H,D], k [B,N,HK,D], indices [B,S,HK,T] int32,
   lse [B,S,H] float32, q_start [B] int32, row_ranges [B,S,3] int32 or
   [B,S,0], see ``_contract.ROW_RANGE_FIELDS``) and static, checked
   parameters.
-  Transformation rules (vmap in ``batching.py``, sharding in
-  ``sharding.py``; the custom VJPs in ``autodiff.py`` wrap the binds)
-  belong to it.
-* Its lowering is a ``custom_partitioning`` function (``sharding.py``):
+  Transformation rules (vmap through ``batching.py``, sharding through
+  ``partitioning.py``; the op's custom VJP wraps the binds) belong to it.
+* Its lowering is a ``custom_partitioning`` function (``partitioning.py``):
   under a multi-device sharding each shard binds the inner primitive (same
   operands and parameters) on its block, with q_start moved by the shard's
   offset when S is sharded; on one device, or in a ``shard_map``, the inner
@@ -27,19 +27,10 @@ import functools
 from typing import Callable, Optional, Tuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import _contract, _ext, sharding
-from ._contract import FFI_TARGET
-from .reference import reference_canonical
-
-
-# ----------------------------------------------------------------------------
-# helpers shared by every op
-# ----------------------------------------------------------------------------
+from . import ext
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,7 +53,7 @@ def _platforms(ctx) -> str:
     return ", ".join(platforms) if platforms else "a non-CUDA platform"
 
 
-def _local_cuda_backend() -> bool:
+def local_cuda_backend() -> bool:
     try:
         return len(jax.devices("cuda")) > 0
     except RuntimeError:
@@ -86,8 +77,8 @@ def kernel_decision(problem, supports: Callable, implementation: Optional[str]) 
     ok, why = supports(problem)
     if not ok:
         return False, why
-    if not _ext.kernel_available(required=implementation == "cuda") and _local_cuda_backend():
-        return False, _ext.kernel_unavailable_reason()
+    if not ext.extension_registered(required=implementation == "cuda") and local_cuda_backend():
+        return False, ext.kernel_unavailable_reason()
     return True, "cuda kernel"
 
 
@@ -116,7 +107,7 @@ def register_platform_lowerings(local_p: Primitive, *, who: str, check: Callable
         kw = {name: params[name] for name in supports_params}
         use_kernel, why = kernel_decision(problem, lambda pr: supports(pr, **kw), implementation)
         if use_kernel and lower_kernel is not None:
-            _ext.ensure_registered()
+            ext.ensure_registered()
             return lower_kernel(ctx, *args, **params)
         if implementation == "cuda" and not problem.is_empty:
             raise ValueError(f"{who}: implementation='cuda' cannot be used: {why}")
@@ -126,50 +117,12 @@ def register_platform_lowerings(local_p: Primitive, *, who: str, check: Callable
     mlir.register_lowering(local_p, lowering_cuda, platform="cuda")
 
 
-# ----------------------------------------------------------------------------
-# attn_dist
-# ----------------------------------------------------------------------------
-
-
-def _abstract_eval(q, k, indices, lse, q_start, row_ranges, *, sm_scale, causal, k_stride, lse_base,
-                   implementation):
-    problem = _contract.check_canonical(q, k, indices, lse, q_start, row_ranges)
-    return jax.core.ShapedArray(problem.canonical_out_shape, jnp.float32)
-
-
-attn_dist_p = define_primitive("attn_dist", _abstract_eval, multiple_results=False)
-
-#: The per-shard (per-device) primitive: same operands and parameters; its
-#: lowering is the kernel-or-reference choice. Only the partitioned lowering
-#: of ``attn_dist_p`` binds it.
-attn_dist_local_p = define_primitive("attn_dist_local", _abstract_eval, multiple_results=False)
-
-
-def _ffi_forward(q, k, indices, lse, q_start, row_ranges, *, sm_scale, causal, k_stride, lse_base,
-                 implementation):
-    """The CUDA kernel through XLA's FFI. Operand order, attribute names and
-    attribute types are the C++ handler's contract (csrc/ffi.cc):
-    Buffer<BF16> q [B,S,H,D], Buffer<BF16> k [B,N,1,D], Buffer<S32> indices
-    [B,S,1,T], Buffer<F32> lse [B,S,H], Buffer<S32> q_start [B],
-    Buffer<S32> row_ranges [B,S,3] or [B,S,0]; attrs
-    sm_scale f32, causal bool, k_stride int32, lse_base_e bool; result
-    Buffer<F32> [B,G,S,T]."""
-    B, S, H, _ = q.shape
-    T = indices.shape[-1]
-    out_type = jax.ShapeDtypeStruct((B, _contract.num_groups(H), S, T), jnp.float32)
-    return jax.ffi.ffi_call(FFI_TARGET, out_type)(
-        q, k, indices, lse, q_start, row_ranges,
-        sm_scale=np.float32(sm_scale),
-        causal=bool(causal),
-        k_stride=np.int32(k_stride),
-        lse_base_e=bool(lse_base == "e"),
-    )
-
-
-register_platform_lowerings(
-    attn_dist_local_p, who="attn_dist", check=_contract.check_canonical, supports=_contract.kernel_supports,
-    jnp_impl=reference_canonical, kernel_impl=_ffi_forward, multiple_results=False,
-)
-# The outer primitive lowers through the custom_partitioning function that
-# binds the inner one per shard (see sharding.py).
-sharding.register_partitioned_lowering(attn_dist_p, attn_dist_local_p, sharding.ATTN_DIST)
+def require_kernel(who: str, supported: bool, why: str) -> None:
+    """``implementation="cuda"``: raise now, clearly, if the kernel cannot
+    serve the call (a registration error is raised, never swallowed)."""
+    if not supported:
+        raise ValueError(f"{who}: implementation='cuda' cannot serve this call: {why}. "
+                         "Use implementation=None or 'xla' for the XLA path.")
+    if not ext.extension_registered(required=True):
+        raise RuntimeError(f"{who}: implementation='cuda' but the CUDA kernel is not available: "
+                           f"{ext.kernel_unavailable_reason()}")

@@ -1,8 +1,7 @@
-"""Row-chunked jnp building blocks (package-internal API).
+"""Row-chunked jnp building blocks, shared by every op's jnp path.
 
-The jnp paths -- the references of ``attn_dist`` (SPEC §2) and
-``indexer_kl`` (SPEC §5), their backward passes and the synthetic problem
-generator -- share these pieces: the chunk loop over query rows, the
+The jnp paths -- each op's reference and backward pass, and the synthetic
+problem generator -- share these pieces: the chunk loop over query rows, the
 slot-validity rule, the gather of the selected key rows and the raw q.k
 scores. They are written to run well under XLA on a GPU: one gather and one
 batched matmul (bf16 products, float32 accumulation) per chunk of query rows;
@@ -18,12 +17,11 @@ recomputing identical rows.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from ._contract import HEADS_PER_GROUP, Problem
 
 #: Bytes of per-chunk temporaries the jnp paths aim for. For attn_dist at
 #: S=4096, N=8192, H=128, T=2048, D=576 bf16 this gives chunks of 96 query
@@ -38,7 +36,22 @@ LN2 = math.log(2.0)
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def chunk_rows(problem: Problem, per_row_bytes: Optional[int] = None, budget: Optional[int] = None) -> int:
+class ScoreProblem(NamedTuple):
+    """The sizes the chunk code reads (each op's checked problem has them, or
+    gives them as one of these): rows ``B*S``, ``H`` query heads over ``HK``
+    key heads, features ``D``, ``N`` keys, ``T`` slots, the operands' dtype."""
+
+    B: int
+    S: int
+    H: int
+    D: int
+    N: int
+    HK: int
+    T: int
+    dtype: Any
+
+
+def chunk_rows(problem, per_row_bytes: Optional[int] = None, budget: Optional[int] = None) -> int:
     """Query rows per chunk for this problem (>= 1): ``budget`` bytes
     (default :data:`CHUNK_BYTES`) of temporaries at ``per_row_bytes`` per
     query row (default: attn_dist's gathered keys plus three float32 [H, T]
@@ -105,7 +118,7 @@ def causal_parts(q_start, k_stride: int):
 def valid_slots(idx, b_rows, s_rows, qq, qr, ranges, *, N: int, causal: bool, k_stride: int):
     """``valid[r, kh, j]`` per SPEC §2, and the indices clamped into [0, N-1].
 
-    ``ranges``: the rows' SPEC §6 ranges ``[C, 3]`` (``_contract.ROW_RANGE_FIELDS``;
+    ``ranges``: the rows' SPEC §6 ranges ``[C, 3]`` (``checks.ROW_RANGE_FIELDS``;
     see :func:`in_row_ranges`), which replace the §2 rule, or ``None``.
 
     The causal rule ``i <= floor((q0 + s + 1 - ks) / ks)`` is evaluated exactly
@@ -181,7 +194,7 @@ class ChunkScores(NamedTuple):
     b_rows: jax.Array  # [C] int32 batch element of each row
 
 
-def chunk_scores(q, k, indices, q_start, row_ranges, start, C: int, problem: Problem, *, causal: bool,
+def chunk_scores(q, k, indices, q_start, row_ranges, start, C: int, problem, *, causal: bool,
                  k_stride: int):
     """The :class:`ChunkScores` of query rows ``start .. start+C-1``.
     Canonical operands: q [B,S,H,D], k [B,N,HK,D], indices [B,S,HK,T],
@@ -231,18 +244,6 @@ def probabilities(acc, valid, lse_rows, *, sm_scale: float, lse_base: str):
         p = jnp.exp2(acc * jnp.float32(sm_scale * LOG2E) - lse_safe)
     keep = valid[:, :, None, :] & finite[..., None]
     return jnp.where(keep, p, jnp.float32(0.0)), keep
-
-
-def group_sum(p, H: int):
-    """[C, H, T] -> [C, G, T]: out[:, g] sums heads 64g .. min(64g+64, H)-1."""
-    C, _, T = p.shape
-    full, rem = divmod(H, HEADS_PER_GROUP)
-    parts = []
-    if full:
-        parts.append(p[:, : full * HEADS_PER_GROUP].reshape(C, full, HEADS_PER_GROUP, T).sum(axis=2))
-    if rem:
-        parts.append(p[:, full * HEADS_PER_GROUP :].sum(axis=1, keepdims=True))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
 def sorted_segment_scatter_add(acc, keys, values, *, num_keys: int):

@@ -1,15 +1,15 @@
 """Multi-device partitioning of the logical primitives (``custom_partitioning``).
 
-Each logical primitive (``attn_dist_p``, ``indexer_kl_p``,
-``indexer_kl_bwd_p``) lowers through :func:`partitioned_lowering`: a
+Each op's logical primitives lower through :func:`partitioned_lowering`: a
 ``jax.experimental.custom_partitioning`` function whose per-shard body binds
 the op's inner primitive (same operands and parameters, lowered per platform
 to a CUDA kernel or the jnp path). On one device, and inside a ``shard_map``
 whose axes are all manual, custom_partitioning simply inlines the body, so the
 inner primitive sees the operands as they are. What differs per op is an
-:class:`OpPartitioning`: its Shardy rule and its :class:`Decision`.
+:class:`OpPartitioning`: its Shardy rule and its :class:`Decision`, in the
+op's own ``partitioning`` module.
 
-Every op here is row-parallel: the leading canonical dimensions of its
+Every op is row-parallel: the leading canonical dimensions of its
 "rows" operand (``q`` / ``index_q``) are B and S, and every output row
 (b, s) depends only on row (b, s) of the row operands and on the whole key
 array of batch element b. So:
@@ -27,20 +27,13 @@ array of batch element b. So:
   less ``j*T_local`` (``Decision.localize``).
 * key arrays (``k``, ``index_k``) are replicated: all-gathered if they arrive
   sharded over N or D (any query may select any key).
-* attn_dist: ``t`` (indices' T) may be sharded, and ``h`` in whole groups of
-  64 heads: when H is a multiple of 64, HK = 1 and G > 1 the rule writes q's
-  and lse's head dimension as the compound factor ``(g, hg)`` with ``hg`` =
-  64 and the output's G dimension as ``g``; the partition accepts a head
-  sharding only when every shard holds a whole number of groups
-  (``H % (64 * shards) == 0``), otherwise heads are gathered.
-* indexer_kl: T and HI are gathered (the per-row softmax over T and the sum
-  over heads would otherwise need collectives). Its backward's
-  ``d index_k`` sums over every row: each S-shard computes the partial sum
-  of its rows and the per-shard function ``psum``s it over the S axes.
+* Each op's ``Decision`` subclass adds what else may be sharded (attn_dist:
+  T and whole 64-head groups) and, where a result sums over rows (a key
+  gradient), ``psum``s each S-shard's partial sum in ``finish``.
 
 The partition callback reads the operands' shardings and decides
-(``Decision``): the rows operand gives B, S (and H); attn_dist's indices give
-T; operands that disagree are resharded by XLA. The legacy GSPMD propagation
+(``Decision``): the rows operand gives B and S, the op's subclass the rest;
+operands that disagree are resharded by XLA. The legacy GSPMD propagation
 (``jax_use_shardy_partitioner=False``) is served by the same decision through
 ``infer_sharding_from_operands``.
 
@@ -61,15 +54,11 @@ from typing import Callable, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.custom_partitioning import (
-    CompoundFactor,
-    SdyShardingRule,
-    custom_partitioning,
-)
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._contract import HEADS_PER_GROUP, INT32_MAX
+from .checks import INT32_MAX
 
 
 # ----------------------------------------------------------------------------
@@ -91,7 +80,7 @@ def _axes(entry) -> Tuple[str, ...]:
     return (entry,)
 
 
-def _spec(sharding, mesh, ndim: int) -> Tuple[Tuple[str, ...], ...]:
+def read_spec(sharding, mesh, ndim: int) -> Tuple[Tuple[str, ...], ...]:
     """The mesh axes sharding each dimension, major to minor. A sharding that
     names no whole mesh axes (e.g. Shardy's sub-axes, or no mesh) reads as
     replicated: the partition then asks for a replicated operand."""
@@ -124,7 +113,7 @@ def _entry(axes: Sequence[str]):
     return axes[0] if len(axes) == 1 else axes
 
 
-def _size(mesh, axes: Sequence[str]) -> int:
+def mesh_size(mesh, axes: Sequence[str]) -> int:
     return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)) if axes else 1
 
 
@@ -143,10 +132,10 @@ class Decision:
         self.mesh = mesh
         self.used = set()
         B, S = shapes[0][:2]
-        rows_spec = _spec(shardings[0], mesh, len(shapes[0]))
+        rows_spec = read_spec(shardings[0], mesh, len(shapes[0]))
         self.b = self.take(rows_spec[0], B)
         self.s = self.take(rows_spec[1], S)
-        self.s_local = S // _size(mesh, self.s)
+        self.s_local = S // mesh_size(mesh, self.s)
 
     def take(self, axes, size: int) -> Tuple[str, ...]:
         """The longest prefix of ``axes`` that is free and splits ``size`` (the
@@ -157,7 +146,7 @@ class Decision:
             if a in self.used or a not in self.mesh.shape:
                 break
             kept.append(a)
-        while kept and size % _size(self.mesh, kept) != 0:
+        while kept and size % mesh_size(self.mesh, kept) != 0:
             kept.pop()
         self.used.update(kept)
         return tuple(kept)
@@ -177,100 +166,12 @@ class Decision:
         return outs
 
 
-def heads_shardable(H: int, HK: int) -> bool:
-    """Whether attn_dist's head dimension can be split in whole 64-head groups
-    at all (it then also needs ``H % (64 * shards) == 0``)."""
-    return HK == 1 and H % HEADS_PER_GROUP == 0 and H // HEADS_PER_GROUP > 1
-
-
-class AttnDistDecision(Decision):
-    """attn_dist: B, S and (whole 64-head groups of) H from q; T from indices."""
-
-    def __init__(self, mesh, shapes, shardings):
-        super().__init__(mesh, shapes, shardings)
-        H, HK = shapes[0][2], shapes[1][2]
-        q_spec = _spec(shardings[0], mesh, 4)
-        i_spec = _spec(shardings[2], mesh, 4)
-        self.h = self.take(q_spec[2], H // HEADS_PER_GROUP) if heads_shardable(H, HK) else ()
-        self.T = shapes[2][3]
-        self.t = self.take(i_spec[3], self.T)
-        self.t_local = self.T // _size(mesh, self.t)
-
-    @property
-    def arg_shardings(self):
-        b, s, h, t = self.b, self.s, self.h, self.t
-        return (
-            self.named(b, s, h, ()),      # q
-            self.named(b, (), (), ()),    # k
-            self.named(b, s, (), t),      # indices
-            self.named(b, s, h),          # lse
-            self.named(b),                # q_start
-            self.named(b, s, ()),         # row_ranges
-        )
-
-    def localize(self, operands, op):
-        super().localize(operands, op)
-        ranges = operands[op.row_ranges_operand]
-        if self.t and ranges.shape[-1]:
-            # topk_length counts from the row's first slot; this shard's
-            # first is shard_start(t). Clamped into [0, T] first (as the
-            # kernels clamp it), so that the difference cannot wrap.
-            length = jnp.clip(ranges[..., 2], 0, self.T) - shard_start(self.t, self.t_local)
-            operands[op.row_ranges_operand] = ranges.at[..., 2].set(length)
-
-    @property
-    def out_shardings(self):
-        return self.named(self.b, self.h, self.s, self.t)  # out [B, G, S, T]
-
-
-class IndexerDecision(Decision):
-    """indexer_kl forward: B and S from index_q; HI, DI, N and T whole."""
-
-    @property
-    def arg_shardings(self):
-        b, s = self.b, self.s
-        return (
-            self.named(b, s, (), ()),     # index_q
-            self.named(b, (), ()),        # index_k
-            self.named(b, s, ()),         # weights
-            self.named(b, s, (), ()),     # indices
-            self.named(b, s, ()),         # target
-            self.named(b),                # q_start
-            self.named(b, s, ()),         # row_ranges
-        )
-
-    @property
-    def out_shardings(self):
-        return (self.named(self.b, self.s),) * 2  # kl, lse [B, S]
-
-
-class IndexerBwdDecision(IndexerDecision):
-    """indexer_kl backward: as the forward, plus lse and g [B, S]; d index_k
-    is a sum over every row, so each S-shard's partial sum is psum'ed."""
-
-    @property
-    def arg_shardings(self):
-        rows = self.named(self.b, self.s)
-        return super().arg_shardings + (rows, rows)  # lse, g
-
-    @property
-    def out_shardings(self):
-        b, s = self.b, self.s
-        return (self.named(b, s, (), ()), self.named(b, (), ()), self.named(b, s, ()))  # dq, dk, dw
-
-    def finish(self, outs):
-        d_index_q, d_index_k, d_weights = outs
-        if self.s:
-            d_index_k = jax.lax.psum(d_index_k, self.s)
-        return d_index_q, d_index_k, d_weights
-
-
 # ----------------------------------------------------------------------------
 # Shardy rules
 # ----------------------------------------------------------------------------
 
 
-def _sdy_rule(operands, results, replicated, **sizes) -> SdyShardingRule:
+def sdy_rule(operands, results, replicated, **sizes) -> SdyShardingRule:
     # The MLIR verifier wants special factors in the order in which the
     # factors are numbered (first appearance); jax passes them as given.
     order = []
@@ -285,46 +186,6 @@ def _sdy_rule(operands, results, replicated, **sizes) -> SdyShardingRule:
         need_replication_factors=tuple(sorted(set(replicated), key=order.index)),
         **sizes,
     )
-
-
-def attn_dist_rule(*static_and_mesh_and_types):
-    """attn_dist: q b s h d; k b n hk d; indices b s hk t; lse b s h;
-    q_start b; row_ranges b s r -> out b g s t (h = (g, hg) when heads
-    split in groups)."""
-    operand_types = static_and_mesh_and_types[-2]
-    H, HK = tuple(operand_types[0].shape)[2], tuple(operand_types[1].shape)[2]
-    replicated = ["n", "hk", "d", "r"]
-    if heads_shardable(H, HK):
-        h = CompoundFactor("g", "hg")
-        sizes = {"hg": HEADS_PER_GROUP}
-        replicated.append("hg")
-    else:  # heads cannot be split in whole groups: gathered
-        h = "h"
-        sizes = {}
-        replicated += ["h", "g"]
-    operands = (("b", "s", h, "d"), ("b", "n", "hk", "d"), ("b", "s", "hk", "t"), ("b", "s", h), ("b",),
-                ("b", "s", "r"))
-    return _sdy_rule(operands, (("b", "g", "s", "t"),), replicated, **sizes)
-
-
-_INDEXER_OPERANDS = (("b", "s", "h", "d"), ("b", "n", "d"), ("b", "s", "h"), ("b", "s", "one", "t"),
-                     ("b", "s", "t"), ("b",), ("b", "s", "r"))
-_INDEXER_REPLICATED = ("h", "d", "n", "one", "t", "r")
-
-
-def indexer_rule(*static_and_mesh_and_types):
-    """indexer_kl forward: index_q b s h d; index_k b n d; weights b s h;
-    indices b s one t; target b s t; q_start b; row_ranges b s r -> kl,
-    lse b s."""
-    return _sdy_rule(_INDEXER_OPERANDS, (("b", "s"), ("b", "s")), _INDEXER_REPLICATED)
-
-
-def indexer_bwd_rule(*static_and_mesh_and_types):
-    """indexer_kl backward: the forward's operands, lse b s, g b s ->
-    d index_q b s h d, d index_k b n d, d weights b s h."""
-    operands = _INDEXER_OPERANDS + (("b", "s"), ("b", "s"))
-    results = (("b", "s", "h", "d"), ("b", "n", "d"), ("b", "s", "h"))
-    return _sdy_rule(operands, results, _INDEXER_REPLICATED)
 
 
 # ----------------------------------------------------------------------------
@@ -346,13 +207,6 @@ class OpPartitioning:
     rule: Callable
     decision: type
     multiple_results: bool
-
-
-ATTN_DIST = OpPartitioning(6, ("sm_scale", "causal", "k_stride", "lse_base", "implementation"), 4, 5,
-                           attn_dist_rule, AttnDistDecision, False)
-_INDEXER_PARAMS = ("scale", "causal", "k_stride", "deterministic", "implementation")
-INDEXER_FWD = OpPartitioning(7, _INDEXER_PARAMS, 5, 6, indexer_rule, IndexerDecision, True)
-INDEXER_BWD = OpPartitioning(9, _INDEXER_PARAMS, 5, 6, indexer_bwd_rule, IndexerBwdDecision, True)
 
 
 def shard_start(axes: Tuple[str, ...], local: int):
@@ -405,7 +259,7 @@ def partitioned_lowering(inner_p, op: OpPartitioning):
         partition=partition,
         infer_sharding_from_operands=infer_sharding_from_operands,
         sharding_rule=op.rule,
-        # We read the operands' shardings ourselves (see _spec): jax's decoding
+        # We read the operands' shardings ourselves (see read_spec): jax's decoding
         # fails on the Shardy sub-axis shardings that a head split inside a
         # group can give the result.
         decode_shardings=False,

@@ -1,4 +1,4 @@
-"""``jax.vmap`` of the logical primitives: one batching rule for all of them.
+"""``jax.vmap`` of the logical primitives: one batching rule for every op.
 
 Every logical primitive has a native leading batch dimension B on every
 operand and result, so a vmapped axis of size V folds into it: each operand's
@@ -28,11 +28,8 @@ from typing import Callable
 
 import jax
 from jax.interpreters import batching
-from jax.sharding import PartitionSpec as P
 
-from .explicit_axes import dim_specs, run_with_auto_axes
-from .indexer_primitive import indexer_kl_bwd_p, indexer_kl_p
-from .primitive import attn_dist_p
+from .explicit_axes import run_with_auto_axes
 
 
 def _to_front(x, axis, size: int):
@@ -66,20 +63,7 @@ def fold_batch_rule(prim, out_specs: Callable):
     return rule
 
 
-def _attn_dist_out(front):  # [V, B, G, S, T]: V, B, S as q, T as indices
-    q_spec, i_spec = dim_specs(front[0]), dim_specs(front[2])
-    return P(q_spec[0], q_spec[1], None, q_spec[2], i_spec[4])
-
-
-def _indexer_out(front):  # kl, lse [V, B, S]: as index_q
-    q_spec = dim_specs(front[0])
-    return (P(*q_spec[:3]),) * 2
-
-
-def _indexer_bwd_out(front):  # d index_q, d index_k, d weights: as their primals
-    return tuple(P(*dim_specs(front[i])) for i in (0, 1, 2))
-
-
-batching.primitive_batchers[attn_dist_p] = fold_batch_rule(attn_dist_p, _attn_dist_out)
-batching.primitive_batchers[indexer_kl_p] = fold_batch_rule(indexer_kl_p, _indexer_out)
-batching.primitive_batchers[indexer_kl_bwd_p] = fold_batch_rule(indexer_kl_bwd_p, _indexer_bwd_out)
+def register_batching(prim, out_specs: Callable) -> None:
+    """Makes ``jax.vmap`` of ``prim`` fold the vmapped axis into its batch
+    dimension (:func:`fold_batch_rule`)."""
+    batching.primitive_batchers[prim] = fold_batch_rule(prim, out_specs)

@@ -5,7 +5,7 @@ restriction has one form: the row's valid keys are one contiguous range
 ``[key_begin, key_end)`` (its sequence's keys, cut by the causal rule
 relative to the sequence) and its live slots are ``[0, topk_length)``. This
 module turns the §6 keywords into those ranges, an int32 ``[B?, S, 3]``
-array (``_contract.ROW_RANGE_FIELDS``), in XLA on the device: no host sync,
+array (``checks.ROW_RANGE_FIELDS``), in XLA on the device: no host sync,
 traced boundaries welcome. The primitives take the ranges as an operand
 (``row_ranges``) in place of SPEC §2's causal rule, and every path applies
 them the same way: the CUDA kernels per row (csrc/common/slot_validity.cuh:
@@ -25,19 +25,101 @@ through the primitives unchanged.
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import _contract
-from ._chunks import causal_parts, visible_keys
+from . import checks
+from .chunks import causal_parts, visible_keys
 
 
 #: Row-sequence pairs up to which row_sequences compares every row with every
 #: boundary in one fused kernel (e.g. S = 4096 rows with up to 1024 sequences);
 #: past it, difference arrays keep the work O(S + num_seqs).
 FUSED_CLAIMS = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """The checked SPEC §6 keywords of one call (arrays as given, not yet
+    cast). ``packed``: cu_seqlens were given (then ``q_start_index`` is an int
+    or an array of shape [] or [num_seqs]); ``active``: any §6 keyword was."""
+
+    topk_length: Any = None
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
+    q_start_index: Any = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def active(self) -> bool:
+        return self.packed or self.topk_length is not None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.cu_seqlens_q.shape[0]) - 1 if self.packed else 0
+
+
+def check_packing(topk_length, cu_seqlens_q, cu_seqlens_k, q_start_index, problem, who: str) -> Packing:
+    """Validates SPEC §6's keywords together with ``q_start_index`` (which,
+    with cu_seqlens, is per sequence rather than per batch element).
+    ``problem``: a :class:`Problem` or :class:`IndexerProblem`."""
+    lead = (problem.B,) if problem.batched else ()
+    if topk_length is not None:
+        checks.check_int_array("topk_length", topk_length, who, "of shape [B?, S]")
+        shape = tuple(int(d) for d in topk_length.shape)
+        want = lead + (problem.S,)
+        if shape != want:
+            names = "[B, S]" if problem.batched else "[S]"
+            raise ValueError(f"{who}: `topk_length` must have shape {names} = {checks.fmt_shape(want)} (one length per query "
+                             f"row), got {checks.fmt_shape(shape)}")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        given, missing = ("cu_seqlens_q", "cu_seqlens_k") if cu_seqlens_k is None else ("cu_seqlens_k",
+                                                                                         "cu_seqlens_q")
+        raise ValueError(f"{who}: `{given}` was given without `{missing}`: the packed-sequence boundaries of the "
+                         "queries and of the keys are given together (pass the same array twice when q and k "
+                         "share one layout)")
+    if cu_seqlens_q is None:
+        return Packing(topk_length=topk_length, q_start_index=checks.check_q_start_index(q_start_index, problem, who))
+    if problem.batched:
+        raise ValueError(f"{who}: `cu_seqlens_q`/`cu_seqlens_k` are accepted only with unbatched inputs (packed "
+                         f"sequences share one row of tokens); the inputs carry a batch dimension B = {problem.B} "
+                         "(use jax.vmap to give each example its own boundaries)")
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        checks.check_int_array(name, x, who, "of shape [num_seqs + 1]")
+        if x.ndim != 1 or int(x.shape[0]) < 1:
+            raise ValueError(f"{who}: `{name}` must have shape [num_seqs + 1] (rank 1, at least one entry), got "
+                             f"{checks.fmt_shape(x.shape)}")
+    if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape):
+        raise ValueError(f"{who}: `cu_seqlens_q` and `cu_seqlens_k` must have the same shape [num_seqs + 1], got "
+                         f"{checks.fmt_shape(cu_seqlens_q.shape)} and {checks.fmt_shape(cu_seqlens_k.shape)}")
+    q_start_index = checks.check_q_start_index(q_start_index, problem, who, num_seqs=int(cu_seqlens_q.shape[0]) - 1)
+    return Packing(topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   q_start_index=q_start_index)
+
+
+def check_num_seqs(num_seqs: Any, who: str = "cu_seqlens_from_segment_ids") -> int:
+    if isinstance(num_seqs, (bool, np.bool_)) or not isinstance(num_seqs, (int, np.integer)):
+        raise TypeError(f"{who}: `num_seqs` must be a Python int >= 0 (static), got "
+                        f"{type(num_seqs).__name__}: {num_seqs!r}")
+    value = int(num_seqs)
+    if not (0 <= value < checks.INT32_MAX):
+        raise ValueError(f"{who}: `num_seqs` must be an int >= 0, got {value}")
+    return value
+
+
+def check_segment_ids(segment_ids: Any, who: str = "cu_seqlens_from_segment_ids"):
+    checks.check_int_array("segment_ids", segment_ids, who, "of shape [S] or [B, S]")
+    if segment_ids.ndim not in (1, 2):
+        raise ValueError(f"{who}: `segment_ids` must have rank 1 [S] or rank 2 [B, S], got shape "
+                         f"{checks.fmt_shape(segment_ids.shape)}")
+    return segment_ids
 
 
 def _int32_as(x, shape):
@@ -89,11 +171,11 @@ def row_sequences(cu_seqlens_q, cu_seqlens_k, *, S: int, N: int):
     return ok, jnp.where(ok, owner, 0)
 
 
-def row_ranges(packing: "_contract.Packing", *, S: int, N: int, T: int, causal: bool, k_stride: int,
+def row_ranges(packing: "Packing", *, S: int, N: int, T: int, causal: bool, k_stride: int,
                batch: Optional[int] = None):
     """SPEC §6's per-row ranges, int32 ``[B?, S, 3]`` (``batch``: B, or None
     for unbatched inputs): each row's ``key_begin``, ``key_end`` and
-    ``topk_length`` (see ``_contract.ROW_RANGE_FIELDS``). They hold the whole
+    ``topk_length`` (see ``checks.ROW_RANGE_FIELDS``). They hold the whole
     validity rule of the call, SPEC §2's causal rule included, so the
     primitives run with ``causal=False`` beside them. ``None`` when the call
     has no §6 keyword.
@@ -152,8 +234,8 @@ def cu_seqlens_from_segment_ids(segment_ids, num_seqs: int):
     num_seqs`` are counted as padding, so ``num_seqs`` must exceed the
     largest id. (MaxText/splash number segments from 1 with 0 for padding:
     pass ``segment_ids - 1``.) Works under jit and vmap."""
-    num_seqs = _contract.check_num_seqs(num_seqs)
-    ids = _contract.check_segment_ids(segment_ids)
+    num_seqs = check_num_seqs(num_seqs)
+    ids = check_segment_ids(segment_ids)
     ids = jnp.asarray(ids).astype(jnp.int32)
 
     def one(row):
@@ -162,3 +244,17 @@ def cu_seqlens_from_segment_ids(segment_ids, num_seqs: int):
         return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
 
     return one(ids) if ids.ndim == 1 else jax.vmap(one)(ids)
+
+
+def rule_operands(problem, packed: Packing, *params):
+    """``(q_start_index, row_ranges, *params)`` for a canonical call: with §6
+    keywords, SPEC §6's per-row ranges (canonical ``[B, S, 3]``), which hold
+    the whole rule, ``q_start_index=0`` and each of ``params`` (dataclasses
+    with a ``causal`` field) with ``causal=False``; else ``[B, S, 0]`` and
+    the caller's rule as given. ``problem``: any op's checked problem (``B``,
+    ``S``, ``N``, ``T``, ``batched``)."""
+    ranges = row_ranges(packed, S=problem.S, N=problem.N, T=problem.T, causal=params[0].causal,
+                        k_stride=params[0].k_stride, batch=problem.B if problem.batched else None)
+    if ranges is None:
+        return (packed.q_start_index, checks.no_row_ranges(problem.B, problem.S), *params)
+    return (0, ranges if problem.batched else ranges[None], *(dataclasses.replace(p, causal=False) for p in params))
