@@ -45,6 +45,7 @@ def test_table_lists_every_row():
             dict(name="step-v32", kind="step", kernel_ms=4.0, xla_ms=25.7, speedup_vs_xla=6.4)]
     text = bench.table(dict(rows=rows))
     assert "idx-v32" in text and "step-v32" in text and "23.70" in text
+    assert "nan" not in text  # columns that do not apply to a row are blank
 
 
 def test_packed_layout_keeps_every_slot_valid():
