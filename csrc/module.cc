@@ -1,13 +1,22 @@
 // The Python extension: XLA FFI handler capsules for jax.ffi.register_ffi_target,
-// the build identity, and the kernels' coverage constants (checked against
-// jax_attn_dist/_contract.py by the tests).
+// the build identity, and the compiled kernel variants (from the ops'
+// variants.py; a test checks them against the Python lists).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/tuple.h>
 
-#include "ffi.h"
+#include "attn_dist/ffi.h"
+#include "attn_dist/variants.h"
+#include "indexer/ffi.h"
+#include "indexer/variants.h"
+#if JAX_ATTN_DIST_TEST_TARGETS
+#include "testing/ffi.h"
+#endif
 
 #ifndef JAX_ATTN_DIST_BUILD_ID
-#error "CMakeLists.txt defines JAX_ATTN_DIST_BUILD_ID (the hash of csrc/ and CMakeLists.txt)"
+#error "CMakeLists.txt defines JAX_ATTN_DIST_BUILD_ID (the hash of the kernel sources, see there)"
+#endif
+#ifndef JAX_ATTN_DIST_TEST_TARGETS
+#error "CMakeLists.txt defines JAX_ATTN_DIST_TEST_TARGETS (0 or 1)"
 #endif
 
 namespace nb = nanobind;
@@ -21,30 +30,52 @@ nb::capsule Capsule(Fn* fn) {
 }
 
 template <size_t N>
-nb::tuple Ints(const int (&values)[N]) {
+nb::tuple Ints(const attn_dist::IntSet<N>& set) {
   nb::list l;
-  for (int v : values) l.append(v);
+  for (int v : set) l.append(v);
   return nb::tuple(l);
 }
 
 }  // namespace
 
 NB_MODULE(_cuda, m) {
+  using namespace attn_dist;
   m.doc() = "jax_attn_dist CUDA (sm_90a) kernels as XLA FFI handlers";
   m.def("registrations", []() {
     nb::dict d;
-    d[attn_dist::kAttnDistTarget] = Capsule(attn_dist::kAttnDistFwd);
-    d[attn_dist::kAttnDistPoisonedTarget] = Capsule(attn_dist::kAttnDistFwdInto);
-    d[attn_dist::kIndexerFwdTarget] = Capsule(attn_dist::kIndexerFwd);
-    d[attn_dist::kIndexerFwdPoisonedTarget] = Capsule(attn_dist::kIndexerFwdInto);
-    d[attn_dist::kIndexerBwdTarget] = Capsule(attn_dist::kIndexerBwd);
-    d[attn_dist::kIndexerBwdPoisonedTarget] = Capsule(attn_dist::kIndexerBwdInto);
+    d[kAttnDistFwdTarget] = Capsule(kAttnDistFwd);
+    d[kIndexerFwdTarget] = Capsule(kIndexerFwd);
+    d[kIndexerBwdTarget] = Capsule(kIndexerBwd);
+#if JAX_ATTN_DIST_TEST_TARGETS
+    d[kAttnDistFwdIntoTarget] = Capsule(kAttnDistFwdInto);
+    d[kIndexerFwdIntoTarget] = Capsule(kIndexerFwdInto);
+    d[kIndexerBwdIntoTarget] = Capsule(kIndexerBwdInto);
+#endif
     return d;
   });
+  m.def("test_targets_built", []() { return bool(JAX_ATTN_DIST_TEST_TARGETS); },
+        "Whether registrations() includes the test-only poisoned *_into targets "
+        "(CMake option JAX_ATTN_DIST_TEST_TARGETS)");
   m.def("build_id", []() { return JAX_ATTN_DIST_BUILD_ID; },
-        "SHA-256 of csrc/ and CMakeLists.txt at build time (see jax_attn_dist._ext.build_id_of)");
-  m.def("attn_dist_head_dims", []() { return Ints(attn_dist::kAttnDistHeadDims); });
-  m.def("indexer_head_dims", []() { return Ints(attn_dist::kIndexerHeadDims); });
-  m.def("indexer_max_heads", []() { return attn_dist::kIndexerMaxHeads; });
-  m.def("indexer_bwd_max_heads", []() { return attn_dist::kIndexerBwdMaxHeads; });
+        "SHA-256 of the kernel sources at build time (see CMakeLists.txt and jax_attn_dist's build_id_of)");
+  m.def(
+      "kernel_variants",
+      []() {
+        nb::dict d;
+        nb::list attn, fwd, bwd;
+        for (const AttnDistVariant& v : kAttnDistVariants) attn.append(nb::make_tuple(v.d, v.head_tile));
+        for (const IndexerFwdVariant& v : kIndexerFwdVariants)
+          fwd.append(nb::make_tuple(v.di, v.head_tile, v.head_tiles));
+        for (const IndexerBwdVariant& v : kIndexerBwdVariants)
+          bwd.append(nb::make_tuple(v.di, v.head_tile, v.deterministic));
+        d["attn_dist"] = attn;
+        d["indexer_fwd"] = fwd;
+        d["indexer_bwd"] = bwd;
+        return d;
+      },
+      "The compiled kernel variants, in the order of the ops' variants.py lists");
+  m.def("attn_dist_head_dims", []() { return Ints(kAttnDistHeadDims); });
+  m.def("indexer_head_dims", []() { return Ints(kIndexerFwdHeadDims); });
+  m.def("indexer_max_heads", []() { return IndexerFwdMaxHeads(); });
+  m.def("indexer_bwd_max_heads", []() { return IndexerBwdMaxHeads(); });
 }

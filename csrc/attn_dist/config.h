@@ -19,9 +19,10 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
 #include "../common/gather.cuh"
-#include "../params.h"
+#include "params.h"
 
 namespace attn_dist {
+namespace dist {
 
 constexpr int kNumConsumers = 2;    // WG0 takes the even key blocks, WG1 the odd ones
 // Two producer warpgroups (WG2, WG3) feed the rings: with one, the gather held
@@ -94,4 +95,5 @@ struct TmaParams {
   CUtensorMap q;  // 4-D (D, H, S, B) bf16, box (64, HT, 1, 1), SWIZZLE_128B
 };
 
+}  // namespace dist
 }  // namespace attn_dist

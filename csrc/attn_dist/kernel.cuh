@@ -25,6 +25,7 @@
 #include "config.h"
 
 namespace attn_dist {
+namespace dist {
 
 using namespace cute;
 
@@ -332,9 +333,11 @@ LaunchStatus run_variant(const AttnDistParams& p, cudaStream_t stream, const cha
                        stream, detail, launch, tma);
 }
 
+}  // namespace dist
 }  // namespace attn_dist
 
-// Explicit instantiation, one (D, HT) per translation unit for parallel nvcc.
-#define ATTN_DIST_INSTANTIATE(D, HT)                                                           \
-  template attn_dist::LaunchStatus attn_dist::run_variant<attn_dist::Config<D, HT>>(            \
+// Explicit instantiation, one (D, HT) per translation unit for parallel nvcc: CMake generates
+// one such unit per entry of the op's variants.py.
+#define ATTN_DIST_INSTANTIATE(D, HT)                                                               \
+  template attn_dist::LaunchStatus attn_dist::dist::run_variant<attn_dist::dist::Config<D, HT>>(   \
       const attn_dist::AttnDistParams&, cudaStream_t, const char**);

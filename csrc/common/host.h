@@ -10,7 +10,7 @@
 
 #include <cutlass/cuda_host_adapter.hpp>
 
-#include "../params.h"
+#include "params.h"
 
 namespace attn_dist {
 

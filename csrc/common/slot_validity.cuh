@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#include "../params.h"  // kRowRangeFields
+#include "params.h"  // kRowRangeFields
 
 namespace attn_dist {
 

@@ -32,7 +32,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
 #include "../common/gather.cuh"
-#include "../params.h"
+#include "params.h"
 #include "config.h"
 
 namespace attn_dist {

@@ -1,44 +1,50 @@
-// Picks the compiled (DI, head tile) variant of the indexer_kl backward kernel.
-#include "../params.h"
-#include "bwd_config.h"
+// Picks the compiled (DI, head tile, deterministic) variant of the indexer_kl
+// backward kernel: the table is indexer/variants.h (from variants.py); each
+// variant is instantiated in its own generated translation unit.
+#include <string>
+
+#include "params.h"
+#include "variants.h"
 
 namespace attn_dist {
 namespace indexer {
 
-// Defined in bwd_kernel.cuh, instantiated in instantiations/indexer_bwd_*.cu.
+// bwd_config.h and bwd_kernel.cuh define these; the launcher needs only their names.
+template <int DI, int HT, bool kDeterministic>
+struct BwdConfig;
 template <class Cfg>
 LaunchStatus run_bwd_variant(const IndexerBwdParams& params, cudaStream_t stream, const char** detail);
-
-template <int DI, bool kDeterministic>
-static LaunchStatus run_bwd_heads(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
-  // The narrowest head tile that holds the heads, as in the forward.
-  if (p.h_idx <= 16) return run_bwd_variant<BwdConfig<DI, 16, kDeterministic>>(p, stream, detail);
-  if (p.h_idx <= 32) return run_bwd_variant<BwdConfig<DI, 32, kDeterministic>>(p, stream, detail);
-  if (p.h_idx <= 64) return run_bwd_variant<BwdConfig<DI, 64, kDeterministic>>(p, stream, detail);
-  *detail = "the indexer backward kernel takes at most 64 heads";
-  return LaunchStatus::kUnsupportedDim;
-}
-
-template <int DI>
-static LaunchStatus run_bwd_dim(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
-  if (p.dk_fixed == nullptr) return run_bwd_heads<DI, false>(p, stream, detail);
-  if (p.bound_bits == nullptr) {
-    *detail = "the deterministic backward needs its bound word";
-    return LaunchStatus::kInvalidProblem;
-  }
-  return run_bwd_heads<DI, true>(p, stream, detail);
-}
 
 }  // namespace indexer
 
 LaunchStatus run_indexer_bwd(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
-  switch (p.d_idx) {
-    case 128: return indexer::run_bwd_dim<128>(p, stream, detail);
-    case 64: return indexer::run_bwd_dim<64>(p, stream, detail);
-    default:
-      *detail = "the indexer head dim DI must be 64 or 128";
-      return LaunchStatus::kUnsupportedDim;
+  if (!kIndexerBwdHeadDims.contains(p.d_idx)) {
+    *detail = KeepMessage("the indexer head dim DI must be " + OrList(kIndexerBwdHeadDims));
+    return LaunchStatus::kUnsupportedDim;
   }
+  const bool deterministic = p.dk_fixed != nullptr;
+  if (deterministic && p.bound_bits == nullptr) {
+    *detail = "the deterministic backward needs its bound word";
+    return LaunchStatus::kInvalidProblem;
+  }
+  // The narrowest head tile that holds the heads, as in the forward.
+  const int chosen = IndexerBwdVariantFor(p.d_idx, p.h_idx, deterministic);
+  if (chosen >= 0) {
+    const IndexerBwdVariant& v = kIndexerBwdVariants[chosen];
+#define INDEXER_BWD_VARIANT(DI, HT, DETERMINISTIC)                                \
+  if (v.di == DI && v.head_tile == HT && v.deterministic == DETERMINISTIC) \
+    return indexer::run_bwd_variant<indexer::BwdConfig<DI, HT, DETERMINISTIC>>(p, stream, detail);
+#include "indexer_bwd_variants.inc"
+#undef INDEXER_BWD_VARIANT
+  }
+  if (IndexerBwdMaxHeads(p.d_idx, deterministic) == 0)
+    *detail = KeepMessage(std::string("the indexer backward kernel has no ") +
+                          (deterministic ? "deterministic" : "float32-sum") + " variant for DI = " +
+                          std::to_string(p.d_idx));
+  else
+    *detail = KeepMessage("the indexer backward kernel takes at most " +
+                          std::to_string(IndexerBwdMaxHeads(p.d_idx, deterministic)) + " heads");
+  return LaunchStatus::kUnsupportedDim;
 }
 
 }  // namespace attn_dist

@@ -23,7 +23,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
 #include "../common/gather.cuh"
-#include "../params.h"
+#include "params.h"
 
 namespace attn_dist {
 namespace indexer {

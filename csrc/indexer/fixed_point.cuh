@@ -18,7 +18,7 @@
 #include <cfloat>
 #include <cstdint>
 
-#include "../params.h"
+#include "params.h"
 
 namespace attn_dist {
 namespace indexer {

@@ -1,3 +1,0 @@
-#include "../kernel.cuh"
-
-ATTN_DIST_INSTANTIATE(512, 64)

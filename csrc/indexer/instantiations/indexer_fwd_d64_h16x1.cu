@@ -1,3 +1,0 @@
-#include "../kernel.cuh"
-
-INDEXER_FWD_INSTANTIATE(64, 16, 1)
