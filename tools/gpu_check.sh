@@ -35,14 +35,18 @@ for step in "${steps[@]}"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
       export PYTHONPATH=/tmp/site
       { nvidia-smi; nvcc --version; python3 -c "import jax; print(jax.__version__, jax.devices())"; } > "$OUT/env.log" 2>&1
-      run build python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
+      # With the test-only poisoned FFI targets (CMakeLists.txt: JAX_ATTN_DIST_TEST_TARGETS).
+      run build python3 -m pip install --no-build-isolation --no-deps -v \
+        -C cmake.define.JAX_ATTN_DIST_TEST_TARGETS=ON . || exit 1
       grep -E "spill|Used [0-9]+ registers" "$OUT/build.log" | sort | uniq -c
+      grep -o "kernel build cache hit.*" "$OUT/build.log"  # then ptxas did not run: no register counts
       # The extension the tests load must be the one just built from this tree.
       run build-id env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -c "
 from jax_attn_dist import _ext
 m = _ext.extension_module(); here = _ext.build_id_of('.')
 print(m.__file__, 'built', m.build_id(), 'checkout', here)
 assert m.build_id() == here, 'stale extension'
+assert m.test_targets_built(), 'built without the test-only FFI targets'
 print(_ext.kernel_unavailable_reason())" || exit 1 ;;
     test) run test env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m pytest -q -rs "${GPU_TESTS[@]}" --run-large \
             -p no:cacheprovider ;;
