@@ -38,8 +38,9 @@ struct AttnDistParams {
 };
 
 // Launch on `stream`; never synchronise, never allocate. On failure `detail`
-// says why (a static string or one from cudaGetErrorString). Dispatches to
-// the compiled variant (attn_dist/launch.cu).
+// says why (a static string, one from cudaGetErrorString, or one kept per
+// thread until the next failure). Dispatches to the compiled variant
+// (attn_dist/launch.cu).
 LaunchStatus run_attn_dist(const AttnDistParams& params, cudaStream_t stream, const char** detail);
 
 }  // namespace attn_dist

@@ -403,8 +403,7 @@ LaunchStatus run_bwd_variant(const IndexerBwdParams& p, cudaStream_t stream, con
 }  // namespace indexer
 }  // namespace attn_dist
 
-// Explicit instantiation, one variant per translation unit: CMake generates
-// one such unit per entry of the op's variants.py.
+// Explicit instantiation: CMake generates one translation unit per variants.py entry.
 #define INDEXER_BWD_INSTANTIATE(DI, HT, DETERMINISTIC)                                             \
   template attn_dist::LaunchStatus                                                                   \
   attn_dist::indexer::run_bwd_variant<attn_dist::indexer::BwdConfig<DI, HT, DETERMINISTIC>>(         \
