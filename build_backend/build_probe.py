@@ -129,7 +129,7 @@ def _compiler(name: str, hasher: _Hasher, lines: list[str], label: str) -> None:
 def fingerprint(out: str, nvcc: str, cxx: str, files: list[str]) -> None:
     hasher = _Hasher(os.path.join(os.path.dirname(os.path.abspath(out)), "build_probe_memo.json"))
     lines = [
-        f"python {sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')}",
+        f"python {sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')} {sys.version}",
         f"nanobind {_version('nanobind')}",
         f"nvidia-cutlass {_version('nvidia-cutlass')}",
         f"jaxlib {_version('jaxlib')}",
