@@ -78,7 +78,7 @@ def bench_packing(name, *, calls, samples, gemm_tflops, with_xla=True):
                                                     sm_scale=D ** -0.5, causal=False, k_stride=1, lse_base="2")[0]
                 base_sets.append((q, k, idx, lse))
                 var_sets.append((q, k, idx, lse, cu_q, cu_k, qs))
-            kw = dict(sm_scale=D ** -0.5, implementation="cuda")
+            kw = dict(sm_scale=D ** -0.5, lse_base="2", implementation="cuda")
             base = jax.jit(lambda q, k, i, l: jax_attn_dist.attn_dist(q, k, i, l, causal=False, **kw))
             var = jax.jit(lambda q, k, i, l, cq, ck, qs: jax_attn_dist.attn_dist(
                 q, k, i, l, causal=True, q_start_index=qs, cu_seqlens_q=cq, cu_seqlens_k=ck, **kw))
