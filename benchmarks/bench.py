@@ -84,13 +84,13 @@ def table(result) -> str:
         ("det bwd", 9, lambda r: r.get("bwd_deterministic_ms"), "{:.2f}"),
         ("§6 ratio", 9, lambda r: r.get("ratio"), "{:.3f}"),
     ]
-    lines = [f"{'shape':<16}" + "".join(f"{h:>{w}}" for h, w, _, _ in columns)]
+    lines = [f"{'shape':<20}" + "".join(f"{h:>{w}}" for h, w, _, _ in columns)]
     for r in result["rows"]:
         cells = []
         for _, width, value, fmt in columns:
             v = value(r)
             cells.append(f"{'' if v is None else fmt.format(v):>{width}}")
-        lines.append(f"{r['name']:<16}" + "".join(cells))
+        lines.append(f"{r['name']:<20}" + "".join(cells))
     return "\n".join(lines)
 
 
