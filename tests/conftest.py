@@ -1,6 +1,13 @@
-"""Test configuration: host CPU devices for the sharding tests, and the rule
-by which device-dependent tests run, skip or fail.
+"""Test configuration: the helpers' folder, host CPU devices for the sharding
+tests, the rule by which device-dependent tests run, skip or fail, and how
+many pytest-xdist workers ``-n auto`` starts.
 
+* The tests live in one folder per op (``attn_dist/``, ``indexer/``; a new
+  op adds its own), one for SPEC §6 (``packing/``, shared by the ops) and
+  one for the package as a whole (``package/``). Their shared helpers are
+  modules in ``support/``, put on ``sys.path`` here: pytest imports the test
+  files with ``--import-mode=importlib`` (pyproject.toml), so test files in
+  different folders may share a name and no folder is added to ``sys.path``.
 * Eight (or more) host CPU devices, always: XLA reads
   ``--xla_force_host_platform_device_count`` when jax creates its CPU backend,
   so it is set here, before any test module imports jax. A smaller preset
@@ -14,8 +21,13 @@ by which device-dependent tests run, skip or fail.
 
 import os
 import re
+import sys
 
 import pytest
+
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
 
 NEEDED_HOST_DEVICES = 8
 _HOST_DEVICES = "--xla_force_host_platform_device_count"
@@ -31,6 +43,37 @@ def _with_host_devices(flags: str, count: int) -> str:
 
 
 os.environ["XLA_FLAGS"] = _with_host_devices(os.environ.get("XLA_FLAGS", ""), NEEDED_HOST_DEVICES)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _may_use_a_gpu() -> bool:
+    """Whether jax in this process could pick a CUDA GPU, decided without
+    starting a backend (which would take GPU memory in the controller)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return any(p in platforms for p in ("cuda", "gpu", "rocm"))
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject.toml's addopts): one worker per CPU for the CPU
+    suite, none (the tests run in this process, one after another) where the
+    GPU tests may run: each worker would open the same GPU and take its own
+    share of its memory, and a test required to pass must not depend on how
+    its neighbours load the device."""
+    try:
+        required = int(os.environ.get("JAX_ATTN_DIST_REQUIRE_GPU", "").strip() or 0)
+    except ValueError:
+        required = 1  # reported by the gpu marker's check
+    if required > 0 or _may_use_a_gpu():
+        return 0
+    return _cpus()
 
 
 def pytest_addoption(parser):

@@ -27,8 +27,8 @@ run() {  # name, command...
   echo "== $name rc=$rc ($((SECONDS - t0))s)"; tail -n 25 "$OUT/$name.log"
   return $rc
 }
-GPU_TESTS=(tests/test_kernel_gpu.py tests/test_gpu.py tests/test_gpu_transforms.py tests/test_indexer_gpu.py
-           tests/test_packed_gpu.py)
+GPU_TESTS=(tests/attn_dist/test_gpu.py tests/attn_dist/test_gpu_transforms.py tests/indexer/test_gpu.py
+           tests/packing/test_gpu.py tests/package/test_gpu_command_buffers.py tests/package/test_xla_precision.py)
 for step in "${steps[@]}"; do
   case $step in
     build)
@@ -52,8 +52,9 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
             -p no:cacheprovider ;;
     test-all) run test-all env JAX_PLATFORMS=cpu JAX_ATTN_DIST_REQUIRE_GPU=0 python3 -m pytest -q -rs tests \
                 -p no:cacheprovider ;;
-    multi-gpu) run multi-gpu env JAX_ATTN_DIST_REQUIRE_GPU=2 python3 -m pytest -q -rs tests/test_gpu_sharding.py \
-                 tests/test_sharding.py tests/test_indexer_sharding.py -p no:cacheprovider
+    multi-gpu) run multi-gpu env JAX_ATTN_DIST_REQUIRE_GPU=2 python3 -m pytest -q -rs tests/attn_dist/test_gpu_sharding.py \
+                 tests/indexer/test_gpu_sharding.py tests/packing/test_gpu_sharding.py tests/attn_dist/test_sharding.py \
+                 tests/indexer/test_sharding.py tests/package/test_partitioning.py -p no:cacheprovider
                run shard-map-example python3 examples/shard_map_example.py ;;
     demo) run demo env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m jax_attn_dist ;;
     bench) run bench python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
@@ -69,23 +70,26 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
         for kernel in attn_dist indexer indexer_bwd; do
           case $kernel in attn_dist) name=attn_dist_kernel ;; indexer) name=indexer_fwd_kernel ;; *) name=indexer_bwd_kernel ;; esac
           run "sanitize-$tool-$kernel" compute-sanitizer --tool "$tool" --kernel-name "kns=$name" --error-exitcode 9 \
-            python3 tests/sanitizer_run.py "$kernel"
+            python3 tests/support/sanitizer_run.py "$kernel"
         done
       done ;;
     sanitize-det)  # the deterministic backward: its main kernel under every tool, all three under memcheck
       for tool in memcheck racecheck synccheck; do
         run "sanitize-$tool-indexer_bwd_det" compute-sanitizer --tool "$tool" --kernel-name kns=indexer_bwd_kernel \
-          --error-exitcode 9 python3 tests/sanitizer_run.py indexer_bwd_det
+          --error-exitcode 9 python3 tests/support/sanitizer_run.py indexer_bwd_det
       done
       run "sanitize-memcheck-indexer_bwd_det-all" compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 tests/sanitizer_run.py indexer_bwd_det ;;
+        python3 tests/support/sanitizer_run.py indexer_bwd_det ;;
     sanitize-packed)  # SPEC §6 (row ranges, malformed cu_seqlens, topk_length) on all three kernels
       run "sanitize-memcheck-packed" compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 tests/sanitizer_run.py packed
+        python3 tests/support/sanitizer_run.py packed
+      # Row ranges far past N, the key operands in exact-size allocations: no kernel reads past its own N.
+      run "sanitize-memcheck-ranges" compute-sanitizer --tool memcheck --padding 1048576 --error-exitcode 9 \
+        python3 tests/support/sanitizer_run.py ranges
       for tool in racecheck synccheck; do
         for name in attn_dist_kernel indexer_fwd_kernel indexer_bwd_kernel; do
           run "sanitize-$tool-packed-$name" compute-sanitizer --tool "$tool" --kernel-name "kns=$name" \
-            --error-exitcode 9 python3 tests/sanitizer_run.py packed
+            --error-exitcode 9 python3 tests/support/sanitizer_run.py packed
         done
       done ;;
     ncu)

@@ -1,7 +1,7 @@
 """Indexer-kernel GPU cases: canonical inputs, poisoned outputs, the float64 oracle.
 
-Not a test file: `test_indexer_gpu.py` runs these under pytest, and
-`tests/sanitizer_run.py` runs a few under compute-sanitizer.
+Not a test file: ``indexer/test_gpu.py`` runs these under pytest, and
+``sanitizer_run.py`` runs a few under compute-sanitizer.
 
 The kernels are called through the test-only FFI targets
 `jax_attn_dist_indexer_fwd_into` and `jax_attn_dist_indexer_bwd_into`, whose

@@ -34,14 +34,27 @@ def seed_of(*parts) -> int:
 def make_inputs(
     seed, *, S, H, D, N, T, B=None, HK=1, dtype=jnp.bfloat16, causal=True, k_stride=1,
     q_start_index=None, lse_base="2", sm_scale=None, lse_noise=0.0, index_low=-3, index_high=None,
+    indices="uniform", invalid_fraction=0.3, nonfinite_lse=False,
 ):
-    """Random q/k/indices and an lse consistent with them.
+    """Random attn_dist inputs: q/k/indices and an lse consistent with them,
+    the one generator of attn_dist problems (the kernel cases of
+    ``attn_dist_cases.py`` are records of its arguments).
 
     Returns (q, k, indices, lse, kwargs) with jax arrays and attn_dist kwargs.
+
+    ``indices``: "uniform" draws every slot from [index_low, index_high)
+    (default [-3, N + 3)); "sweep" (HK = 1) takes valid slots uniformly from
+    each row's visible keys (duplicates included) and a fraction
+    ``invalid_fraction`` of the slots (every slot of a row that sees no key)
+    from every kind of bad index (see :func:`sweep_q_start_and_indices`).
     ``q_start_index``: None draws a random int (possibly negative) that leaves
-    a mix of visible and invisible keys; "batch" draws a [B] int32 array.
+    a mix of visible and invisible keys; "batch" draws a [B] int32 array
+    (with "sweep": the start of every batch element as an int32 [B] array,
+    one shared value or, with "batch", one each).
     ``lse`` is the float64 oracle's exact LSE rounded to float32, plus uniform
-    noise of amplitude ``lse_noise`` (then rows no longer sum to 1).
+    noise of amplitude ``lse_noise`` (then rows no longer sum to 1), with
+    ``nonfinite_lse`` three entries set to +inf, -inf and NaN (those heads
+    give 0, never NaN).
     """
     rng = np.random.default_rng(seed)
     Bc = B if B is not None else 1
@@ -49,17 +62,30 @@ def make_inputs(
     sm_scale = float(D ** -0.5 * rng.uniform(0.5, 2.0)) if sm_scale is None else sm_scale
     q = jnp.asarray(rng.standard_normal(lead + (S, H, D)).astype(np.float32), dtype)
     k = jnp.asarray(rng.standard_normal(lead + (N, HK, D)).astype(np.float32), dtype)
-    hi = N + 3 if index_high is None else index_high
-    indices = jnp.asarray(rng.integers(index_low, hi, lead + (S, HK, T)), jnp.int32)
-    span = max(N * k_stride, 1)
-    if q_start_index is None:
-        q_start_index = int(rng.integers(-4, span))
-    elif isinstance(q_start_index, str) and q_start_index == "batch":
-        q_start_index = jnp.asarray(rng.integers(-4, span, (Bc,)), jnp.int32)
+    if indices == "sweep":
+        assert HK == 1 and B is not None, "sweep indices: HK = 1, batched"
+        q_start_index, idx = sweep_q_start_and_indices(
+            rng, B=B, S=S, T=T, N=N, k_stride=k_stride, causal=causal,
+            per_batch_q_start=isinstance(q_start_index, str) and q_start_index == "batch",
+            invalid_fraction=invalid_fraction)
+        indices = jnp.asarray(idx)
+    else:
+        assert indices == "uniform", indices
+        hi = N + 3 if index_high is None else index_high
+        indices = jnp.asarray(rng.integers(index_low, hi, lead + (S, HK, T)), jnp.int32)
+        span = max(N * k_stride, 1)
+        if q_start_index is None:
+            q_start_index = int(rng.integers(-4, span))
+        elif isinstance(q_start_index, str) and q_start_index == "batch":
+            q_start_index = jnp.asarray(rng.integers(-4, span, (Bc,)), jnp.int32)
     kwargs = dict(sm_scale=sm_scale, causal=causal, q_start_index=q_start_index, k_stride=k_stride, lse_base=lse_base)
     lse = oracle.exact_lse(q, k, indices, **kwargs)
     if lse_noise:
         lse = lse + rng.uniform(-lse_noise, lse_noise, lse.shape)
+    if nonfinite_lse:
+        flat = lse.reshape(-1)
+        pick = rng.choice(flat.size, size=min(3, flat.size), replace=False)
+        flat[pick] = np.array([np.inf, -np.inf, np.nan])[: len(pick)]
     lse = jnp.asarray(lse.astype(np.float32))
     return q, k, indices, lse, kwargs
 

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jax_attn_dist"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "jax_attn_dist"
 
 
 def _modules():
@@ -153,3 +153,13 @@ def test_oracle_is_independent_of_jax():
         assert "jax" not in imported and "jax_attn_dist" not in imported, (name, imported)
         relative = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
         assert all(n.level == 1 for n in relative), f"{name} imports from outside the oracle"
+
+
+def test_version_and_exports():
+    """The public names the package declares exist."""
+    import jax_attn_dist
+
+    assert isinstance(jax_attn_dist.__version__, str)
+    for name in jax_attn_dist.__all__:
+        assert hasattr(jax_attn_dist, name)
+    assert jax_attn_dist.HEADS_PER_GROUP == 64

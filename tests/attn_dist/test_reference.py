@@ -1,4 +1,8 @@
-"""The jnp reference (and attn_dist's XLA path) against the float64 oracle."""
+"""The jnp reference (and attn_dist's XLA path) against the float64 oracle, on
+any backend (in CI: the CPU): a pairwise matrix of the API's options, the
+kernel issue's semantic matrix (the same configurations the GPU sweep gives
+the kernel), adversarial indices and lse, chunk loops, the causal rule at
+int32 extremes and empty shapes."""
 
 from __future__ import annotations
 
@@ -17,8 +21,20 @@ from inputs import INT32_MAX, INT32_MIN, make_inputs, seed_of
 from jax_attn_dist import attn_dist, attn_dist_reference
 from jax_attn_dist import synthetic
 from jax_attn_dist._core.chunks import chunk_rows
+from attn_dist_cases import make_case_inputs, sweep_cases
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fn, params):
+    """``fn`` under jit with the static ``params`` (sorted items); a
+    q_start_index not among them is a traced argument. One per (fn, params),
+    so that cases of one shape compile once."""
+    kw = dict(params)
+    if "q_start_index" in kw:
+        return jax.jit(lambda q, k, i, l: fn(q, k, i, l, **kw))
+    return jax.jit(lambda q, k, i, l, s: fn(q, k, i, l, q_start_index=s, **kw))
 
 
 def run_jit(fn, q, k, indices, lse, kwargs, *, traced_q_start=True, **extra):
@@ -27,10 +43,8 @@ def run_jit(fn, q, k, indices, lse, kwargs, *, traced_q_start=True, **extra):
     kw = dict(kwargs, **extra)
     qs = kw.pop("q_start_index")
     if traced_q_start or not isinstance(qs, int):
-        f = jax.jit(lambda q, k, i, l, s: fn(q, k, i, l, q_start_index=s, **kw))
-        return f(q, k, indices, lse, qs)
-    f = jax.jit(lambda q, k, i, l: fn(q, k, i, l, q_start_index=qs, **kw))
-    return f(q, k, indices, lse)
+        return _jitted(fn, tuple(sorted(kw.items())))(q, k, indices, lse, qs)
+    return _jitted(fn, tuple(sorted(dict(kw, q_start_index=qs).items())))(q, k, indices, lse)
 
 
 # A pairwise-style matrix: every H with batched/unbatched, the other
@@ -161,7 +175,7 @@ def test_non_finite_lse_gives_zero(bad):
     assert np.all(got[0, 3] == 0.0) and np.all(got[1, 3] > 0.0)
     np.testing.assert_allclose(got[1, 2].sum(), 31.0, rtol=1e-5)  # 32 heads, one zeroed
     oracle.assert_within_spec(got, oracle.attn_dist_oracle(q, k, idx, lse, **kw))
-    oracle.assert_within_spec(attn_dist_reference(q, k, idx, lse, **kw), oracle.attn_dist_oracle(q, k, idx, lse, **kw))
+    oracle.assert_within_spec(run_jit(attn_dist_reference, q, k, idx, lse, kw), oracle.attn_dist_oracle(q, k, idx, lse, **kw))
 
 
 def test_non_finite_lse_never_nan_with_extreme_q():
@@ -244,3 +258,35 @@ def test_integer_q_start_dtypes_are_cast():
     for v in (np.int64(3), np.int16(3), jnp.asarray(3, jnp.int32), jnp.asarray([3, 3], jnp.int32), np.array([3, 3], np.uint8)):
         kw2 = dict(kw, q_start_index=v)
         np.testing.assert_array_equal(np.asarray(attn_dist(q, k, idx, lse, **kw2)), base)
+
+
+# The kernel issue's semantic matrix through the jnp path: the 64
+# configurations the GPU sweep gives the kernel (attn_dist_cases.py): T in
+# {1, 63, 64, 65, 127, 200, 2048, 2049}, H in {1, 16, 32, 64, 72, 96, 128,
+# 160}, D in {512, 576}, B in {none, 1, 3}, causal or not, traced and
+# per-batch q_start_index, k_stride in {1, 4}, both lse bases, 0/30/100%
+# invalid slots (INT32_MIN, -1, N, INT32_MAX, causally invisible keys,
+# duplicates) and +inf/-inf/NaN lse entries.
+SWEEP = sweep_cases(64)
+
+
+@pytest.mark.parametrize("case", SWEEP, ids=[c.name for c in SWEEP])
+def test_jnp_path_matches_float64(case):
+    (q, k, idx, lse, q_start), kw = make_case_inputs(case)
+    if case.B is None:
+        q, k, idx, lse, q_start = q[0], k[0], idx[0], lse[0], q_start[0]
+    elif not case.per_batch_q_start:
+        q_start = q_start[0]
+    kw = {key: v for key, v in kw.items() if key != "q_start_index"}
+    f = jax.jit(lambda q, k, i, l, s: attn_dist(q, k, i, l, q_start_index=s, implementation="xla", **kw))
+    out = np.asarray(f(q, k, idx, lse, q_start))  # q_start traced
+    ref = oracle.attn_dist_oracle(q, k, idx, lse, q_start_index=q_start, **kw)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all()
+    valid = oracle.valid_mask(idx if case.B is not None else idx[None], case.N, causal=case.causal,
+                              q_start_index=np.atleast_1d(q_start), k_stride=case.k_stride)
+    out_b = out if case.B is not None else out[None]
+    invalid = np.broadcast_to(~valid[:, None, :, 0, :], out_b.shape)
+    assert (out_b[invalid] == 0).all()
+    if np.abs(ref).max() > 0:
+        oracle.assert_within_spec(out, ref)

@@ -17,15 +17,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from inputs import make_indexer_inputs, seed_of
 from jax_attn_dist import indexer_kl, oracle
 from jax_attn_dist.ops.indexer import contract as indexer_contract
+from sharding_util import collectives
 
 pytestmark = pytest.mark.host_devices(8)
 
 F32 = jnp.float32
-COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
-
-
-def collectives(hlo: str):
-    return {c for c in COLLECTIVES if re.search(rf"\b{c}(-start)?\(", hlo)}
 
 
 def mesh_of(shape, names, axis_type=jax.sharding.AxisType.Auto):

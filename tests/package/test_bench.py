@@ -14,7 +14,7 @@ import pytest
 from inputs import make_indexer_inputs, seed_of
 from jax_attn_dist import oracle
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "benchmarks", "bench.py"))
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)

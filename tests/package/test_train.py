@@ -16,7 +16,7 @@ import optax
 from jax_attn_dist import attn_dist_p
 from jaxpr_util import iter_eqns
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "train_indexer.py")
 
 _spec = importlib.util.spec_from_file_location("train_indexer", SCRIPT)

@@ -1,0 +1,66 @@
+"""indexer_kl with the CUDA kernels, S sharded over 2 GPUs: the forward is
+bit-identical to one GPU's and the gradients equal one GPU's, with the
+shards' partial d index_k all-reduced. Skipped unless there are at least 2
+CUDA GPUs and the compiled extension is registered (see conftest.py)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_attn_dist import indexer_kl, synthetic
+from jax_attn_dist.ops.indexer.contract import BWD_FFI_TARGET as FFI_INDEXER_BWD
+from jax_attn_dist.ops.indexer.contract import FWD_FFI_TARGET as FFI_INDEXER_FWD
+from sharding_util import bits, collectives, gpu_mesh, mixed_synthetic_problem
+
+pytestmark = pytest.mark.gpu(2)
+
+S, N, H, T, D = 512, 4096, 128, 512, 576
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_indexer_sequence_sharded_over_2_gpus(deterministic):
+    """indexer_kl with S over 2 GPUs: the forward is bit-identical to one GPU
+    (one kernel call per shard, no collective); the gradients equal one GPU's,
+    with each shard's partial d index_k (from the backward kernel, in either
+    mode) summed by one all-reduce; deterministic=True repeats its bits."""
+    prob = mixed_synthetic_problem(5, S=S, N=N, H=H, T=T, D=D)
+    ix = synthetic.make_indexer(prob, HI=64, DI=128, seed=5)
+    idx = prob.indices
+    u = jax.random.uniform(jax.random.key(5), (S, T))
+    t = jnp.where(idx[:, 0, :] >= 0, u, 0.0)
+    target = t / jnp.maximum(t.sum(-1, keepdims=True), 1e-30)
+    kw = dict(causal=True, k_stride=1, implementation="cuda", deterministic=deterministic)
+    q_start = jnp.int32(prob.q_start_index)
+    f = lambda a, b, c, d, e, s: indexer_kl(a, b, c, d, e, q_start_index=s, **kw)  # noqa: E731
+    args = (*ix.arrays, idx, target, q_start)
+    mesh = gpu_mesh(2)
+    row, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    shardings = (row, rep, row, row, row, rep)
+    ref = jax.jit(f)(*args)
+    sharded = jax.jit(f, in_shardings=shardings, out_shardings=row)
+    out = sharded(*args)
+    assert np.array_equal(bits(out), bits(ref))
+    hlo = sharded.lower(*args).compile().as_text()
+    assert not collectives(hlo), collectives(hlo)
+    assert len(re.findall(rf'custom_call_target="{FFI_INDEXER_FWD}"', hlo)) == 1
+    assert f"f32[1,{S // 2}]" in hlo and f"bf16[1,{S},64,128]" not in hlo  # per-shard rows only
+
+    loss = lambda a, b, c, d, e, s: jnp.sum(f(a, b, c, d, e, s) ** 2)  # noqa: E731
+    g_ref = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+    g_sharded = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=shardings)
+    g = g_sharded(*args)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2,
+                                   atol=1e-3 * float(jnp.abs(b.astype(jnp.float32)).max()))
+    hlo = g_sharded.lower(*args).compile().as_text()
+    assert re.search(r"\ball-reduce(-start)?\(", hlo) and not re.search(r"\ball-gather(-start)?\(", hlo)
+    assert len(re.findall(rf'custom_call_target="{FFI_INDEXER_BWD}"', hlo)) == 1
+    if deterministic:
+        for a, b in zip(g, g_sharded(*args)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -1,0 +1,137 @@
+"""Run a few kernel cases for compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
+
+    compute-sanitizer --tool racecheck --kernel-name kns=attn_dist_kernel python tests/support/sanitizer_run.py attn_dist
+    compute-sanitizer --tool racecheck --kernel-name kns=indexer_fwd_kernel python tests/support/sanitizer_run.py indexer
+    compute-sanitizer --tool racecheck --kernel-name kns=indexer_bwd_kernel python tests/support/sanitizer_run.py indexer_bwd
+    compute-sanitizer --tool memcheck python tests/support/sanitizer_run.py indexer_bwd_det
+    compute-sanitizer --tool memcheck python tests/support/sanitizer_run.py packed
+    compute-sanitizer --tool memcheck --padding 1048576 python tests/support/sanitizer_run.py ranges
+
+attn_dist: partial T, partial H, both head tiles, both D, batched, all-invalid.
+indexer: every head-tile variant (16, 32, 64, 4 x 64), both DI, partial T,
+batched, all-invalid, T = 0. indexer_bwd: the backward kernel on the
+indexer cases it serves (HI <= 64) plus hot duplicated keys; indexer_bwd_det:
+the same cases in deterministic mode (its row-bound, main and conversion
+kernels). packed: SPEC §6 on all three kernels (packed_kernel_cases.py's
+checks, which packing/test_gpu.py runs too): raw adversarial row ranges
+(out-of-range and inverted key ranges, lengths of 0, on block edges and
+past T) and packed calls with malformed cu_seqlens (decreasing, past S or
+N, int32 extremes), no sequences, and per-row topk_length (rows with no
+live block). ranges: every kernel (attn_dist, the indexer's forward, its
+backward in both modes) on SPEC §6 row ranges far past N, below 0,
+inverted, with lengths far past T or negative, and indices inside those
+ranges but past N, checked against the clamp rule and the oracle
+(packed_kernel_cases.py, far=True), with the key operand (k, index_k) in a
+cudaMalloc of its exact size (through CuPy, which this mode needs) rather
+than in XLA's pooled memory, where memcheck does not see a read past a
+buffer's end; most cases have B = 1, so that memcheck reports any read of
+a key row past N - 1 or before row 0. Exits non-zero if a result is wrong.
+"""
+
+import functools
+import sys
+
+import attn_dist_cases
+import indexer_cases
+import packed_kernel_cases
+from packed_cases import CASES as PACKED_CASES
+
+ATTN_DIST = [
+    attn_dist_cases.Case(S=2, H=128, T=2048, D=576, N=3000, invalid_fraction=0.3, seed=1),   # full blocks, 2 groups
+    attn_dist_cases.Case(S=3, H=96, T=200, D=576, N=500, B=3, per_batch_q_start=True, seed=2),  # 96-head tile, batched
+    attn_dist_cases.Case(S=2, H=16, T=65, D=512, N=100, k_stride=4, lse_base="e", seed=3),   # tiny H, one slot past
+    attn_dist_cases.Case(S=2, H=64, T=2049, D=512, N=5000, causal=False, seed=4),            # 64-head tile, T odd
+    attn_dist_cases.Case(S=4, H=1, T=1, D=576, N=10, B=1, seed=5),                           # minimal
+    attn_dist_cases.Case(S=2, H=192, T=127, D=576, N=300, invalid_fraction=1.0, seed=6),     # 2 head tiles, all invalid
+    attn_dist_cases.Case(S=64, H=128, T=512, D=576, N=8192, invalid_fraction=0.1, seed=7),   # mid-size
+    # More CTAs than SMs, so each asks L2 for its successor's rows (HT = 128
+    # with a partial second head tile, across the batch boundary).
+    attn_dist_cases.Case(S=150, H=160, T=130, D=576, N=700, B=2, per_batch_q_start=True, seed=8),
+    # The 96-head tile with a partial second group, more CTAs than SMs.
+    attn_dist_cases.Case(S=300, H=72, T=200, D=512, N=900, causal=False, seed=9),
+]
+
+INDEXER = [
+    indexer_cases.Case(S=3, HI=64, T=2048, DI=128, N=8192, invalid_fraction=0.1, seed=1),  # V3.2's shape, full T
+    indexer_cases.Case(S=4, HI=16, T=200, DI=64, N=300, B=3, per_batch_q_start=True, seed=2),  # HT 16, batched
+    indexer_cases.Case(S=3, HI=20, T=65, DI=128, N=100, k_stride=4, seed=3),              # HT 32, partial heads
+    indexer_cases.Case(S=2, HI=200, T=129, DI=128, N=500, causal=False, seed=4),           # 4 head tiles of 64
+    indexer_cases.Case(S=2, HI=64, T=64, DI=64, N=50, invalid_fraction=1.0, seed=5),      # all invalid
+    indexer_cases.Case(S=3, HI=1, T=0, DI=128, N=10, seed=6),                             # T = 0
+    indexer_cases.Case(S=48, HI=64, T=512, DI=128, N=4096, seed=7),                       # mid-size
+    # More rows than resident CTAs (396 and 264 on an H100): CTAs prefetch
+    # their successors' rows, across a batch boundary and past the last row.
+    indexer_cases.Case(S=500, HI=64, T=130, DI=128, N=600, B=2, per_batch_q_start=True, invalid_fraction=0.3, seed=8),
+    indexer_cases.Case(S=300, HI=130, T=70, DI=64, N=200, seed=9),
+]
+
+INDEXER_BWD = [c for c in INDEXER if c.HI <= 64] + [
+    indexer_cases.Case(S=16, HI=32, T=256, DI=64, N=4, causal=False, invalid_fraction=0.0, seed=8),  # hot duplicates
+]
+
+class Named:
+    """A named check without arguments (the packed mode's test functions)."""
+
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+
+
+def packed_checks():
+    pkc = packed_kernel_cases
+    checks = [Named("raw-ranges-attn_dist-h64",
+                    functools.partial(pkc.check_attn_dist_kernel_on_raw_row_ranges, 64, 576, 48)),
+              Named("raw-ranges-attn_dist-h130-d512",
+                    functools.partial(pkc.check_attn_dist_kernel_on_raw_row_ranges, 130, 512, 48)),
+              # Several waves of CTAs (1200): rows with no, one and several blocks on each SM.
+              Named("raw-ranges-attn_dist-h64-waves",
+                    functools.partial(pkc.check_attn_dist_kernel_on_raw_row_ranges, 64, 576, 600)),
+              Named("raw-ranges-indexer",
+                    functools.partial(pkc.check_indexer_kernels_on_raw_row_ranges, False, 64, 128)),
+              Named("raw-ranges-indexer-det-h16",
+                    functools.partial(pkc.check_indexer_kernels_on_raw_row_ranges, True, 16, 64)),
+              Named("no-row-ranges", pkc.check_calls_without_row_ranges)]
+    for case in PACKED_CASES:
+        if case["name"] in ("bad-decreasing-q", "bad-k-past-N", "bad-extremes", "no-sequences", "topk-packed"):
+            checks.append(Named(f"attn_dist-{case['name']}",
+                                functools.partial(pkc.check_attn_dist_kernel_on_packed_inputs, case)))
+            checks.append(Named(f"indexer-{case['name']}",
+                                functools.partial(pkc.check_indexer_kernels_on_packed_inputs, case, False)))
+    return checks
+
+
+def ranges_checks():
+    """Every kernel on far-out row ranges (packed_kernel_cases, far=True),
+    its key operand in an allocation of its exact size."""
+    pkc = packed_kernel_cases
+    pkc.EXACT_KEY_ALLOCATIONS = True
+    checks = []
+    for H, D, S, B, N in [(64, 576, 64, 1, 37), (130, 512, 64, 1, 300), (96, 512, 48, 1, 1),
+                          (128, 576, 64, 2, 100), (64, 576, 600, 1, 500)]:  # the last: several waves of CTAs
+        checks.append(Named(f"ranges-attn_dist-h{H}-d{D}-s{S}-b{B}-n{N}",
+                            functools.partial(pkc.check_attn_dist_kernel_on_raw_row_ranges, H, D, S, B=B, N=N,
+                                              far=True)))
+    for HI, DI, S, B, N in [(64, 128, 40, 1, 37), (16, 64, 40, 2, 100), (32, 64, 48, 1, 1), (64, 64, 300, 1, 200)]:
+        for deterministic in (False, True):  # the forward kernel, then the backward in this mode
+            checks.append(Named(f"ranges-indexer-hi{HI}-di{DI}-s{S}-b{B}-n{N}-det{int(deterministic)}",
+                                functools.partial(pkc.check_indexer_kernels_on_raw_row_ranges, deterministic, HI,
+                                                  DI, S=S, B=B, N=N, far=True)))
+    return checks
+
+
+CHECKS = {
+    "attn_dist": (ATTN_DIST, attn_dist_cases.check_case),
+    "indexer": (INDEXER, indexer_cases.check_case),
+    "indexer_bwd": (INDEXER_BWD, indexer_cases.check_bwd_case),
+    "indexer_bwd_det": (INDEXER_BWD, functools.partial(indexer_cases.check_bwd_case, deterministic=True)),
+    "packed": (packed_checks, lambda named: named.fn()),
+    "ranges": (ranges_checks, lambda named: named.fn()),
+}
+
+if __name__ == "__main__":
+    which = sys.argv[1:] or list(CHECKS)
+    for name in which:
+        cases, check = CHECKS[name]
+        for case in cases() if callable(cases) else cases:
+            check(case)
+            print("ok", name, case.name, flush=True)
+    sys.exit(0)

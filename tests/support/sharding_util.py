@@ -1,0 +1,40 @@
+"""Helpers shared by the sharding tests (host CPU devices and GPUs); not a
+test module."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_attn_dist import synthetic
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def collectives(hlo: str):
+    """The collectives in compiled HLO text."""
+    return {c for c in COLLECTIVES if re.search(rf"\b{c}(-start)?\(", hlo)}
+
+
+def bits(x):
+    """A float32 array's bits (to compare results bit for bit)."""
+    return np.asarray(x).view(np.uint32)
+
+
+def gpu_mesh(n: int = 2, name: str = "x"):
+    """A 1-D mesh of the first ``n`` CUDA GPUs."""
+    return jax.sharding.Mesh(np.array(jax.devices("cuda")[:n]), (name,))
+
+
+def mixed_synthetic_problem(seed, *, S, N, H, T, D, **kw):
+    """A synthetic DSA problem with 30% of the slots replaced by random keys,
+    many of them causally invisible (so the per-shard offsets matter)."""
+    prob = synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=seed, **kw)
+    rng = np.random.default_rng(seed)
+    idx = np.asarray(prob.indices)
+    mix = np.where(rng.random(idx.shape) < 0.3, rng.integers(0, N, idx.shape), idx)
+    return dataclasses.replace(prob, indices=jnp.asarray(mix, jnp.int32))
