@@ -94,7 +94,7 @@ def build_id_of(root) -> str:
 
 def source_checkout() -> Optional[Path]:
     """The checkout this package runs from, or None for an installed package."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # jax_attn_dist/_core/ext.py -> the checkout
     return root if (root / "CMakeLists.txt").is_file() and (root / "csrc").is_dir() else None
 
 

@@ -177,9 +177,6 @@ def test_build_id_tracks_csrc_and_cmakelists(tmp_path):
     assert len({base, edited, ext.build_id_of(tmp_path)}) == 3
 
 
-@pytest.mark.xfail(strict=True, reason="ext.source_checkout() looks for the checkout one folder too deep since "
-                                       "ext.py moved into jax_attn_dist/_core/ (Path(__file__).parent.parent is the "
-                                       "package): stale-build detection is off and the stale-build tests below skip")
 def test_a_source_checkout_is_recognised():
     """Running from this checkout (tests/ beside CMakeLists.txt and csrc/),
     the package knows it: the extension's build identity is then compared
