@@ -177,7 +177,7 @@ def run_bwd_kernel(inputs, kwargs, lse, g, deterministic=False):
                        deterministic=deterministic, **kw)
     # Converted on the host: a device-side convert is an XLA kernel outside
     # initcheck's kernel filter, whose output it then takes as never written
-    # (1,076,224 reports on the indexer_bwd cases; 0 with this, session 12).
+    # (1,076,224 reports on the indexer_bwd cases; 0 with this).
     return tuple(np.asarray(x).astype(np.float32) for x in outs)
 
 
