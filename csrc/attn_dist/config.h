@@ -28,8 +28,8 @@ constexpr int kNumConsumers = 2;    // WG0 takes the even key blocks, WG1 the od
 // Two producer warpgroups (WG2, WG3) feed the rings: with one, the gather held
 // back every head tile. A second took 1-6 % off v32-h128 and v32-h64 in A/Bs
 // on an H100: ncu shows one more warp per scheduler to hide the gather's
-// latency, at the same issue rate. Four were slower (docs/PERFORMANCE.md §23,
-// §24).
+// latency, at the same issue rate. Four were slower (docs/PERFORMANCE.md,
+// "Design decisions"; the warp roles: docs/KERNELS.md).
 constexpr int kProducerWarpgroups = 2;
 constexpr int kProducerThreads = kProducerWarpgroups * kWarpgroupThreads;
 constexpr int kThreads = kNumConsumers * kWarpgroupThreads + kProducerThreads;

@@ -320,10 +320,10 @@ LaunchStatus run_variant(const AttnDistParams& p, cudaStream_t stream, const cha
       s != LaunchStatus::kOk)
     return s;
   // The next CTA's prefetch (prefetch_next_cta), A/B on an H100
-  // (docs/PERFORMANCE.md §8): -5 % at v32-h128 and h96, where K (9 MiB) and
+  // (docs/PERFORMANCE.md, "Design decisions"): -5 % at v32-h128 and h96, where K (9 MiB) and
   // every SM's prefetched Q fit in L2 together; +6 % at N = 128k, where the
   // prefetched Q takes L2 from the key rows' reuse; no change at HT = 64.
-  // HT = 96 (a 108 KiB Q) has it on too; §11's A/B measured it so.
+  // HT = 96 (a 108 KiB Q) has it on too; its A/B measured it so.
   AttnDistParams launch = p;
   const int64_t key_bytes = int64_t(p.batch) * p.s_kv * Cfg::D * int64_t(sizeof(bf16));
   const int64_t prefetched_q_bytes = int64_t(device_sm_count()) * Cfg::kQBytes;

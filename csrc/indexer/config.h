@@ -36,7 +36,7 @@ namespace indexer {
 // 64 registers a thread at launch, which setmaxnreg splits 40 (producer) /
 // 88 (consumer), and 56 KiB of shared memory (at DI = 128: 4 ring stages, two
 // blocks). Four took 6-11 % less time than three CTAs of 7 stages
-// (docs/PERFORMANCE.md §12).
+// (docs/PERFORMANCE.md, "Design decisions").
 constexpr int kNumConsumers = 1;
 constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;  // + the producer
 constexpr int kConsumerWarps = kNumConsumers * 4;
