@@ -42,7 +42,7 @@ for step in "${steps[@]}"; do
       grep -o "kernel build cache hit.*" "$OUT/build.log"  # then ptxas did not run: no register counts
       # The extension the tests load must be the one just built from this tree.
       run build-id env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -c "
-from jax_attn_dist import _ext
+from jax_attn_dist._core import ext as _ext
 m = _ext.extension_module(); here = _ext.build_id_of('.')
 print(m.__file__, 'built', m.build_id(), 'checkout', here)
 assert m.build_id() == here, 'stale extension'
