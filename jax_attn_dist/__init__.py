@@ -14,6 +14,7 @@ they share is ``jax_attn_dist._core``. ``python -m jax_attn_dist`` runs a demo.
 """
 
 from ._core import ext as _ext
+from ._core.ext import kernel_status
 from ._core.packing import cu_seqlens_from_segment_ids
 from .ops.attn_dist import HEADS_PER_GROUP, attn_dist, attn_dist_p, attn_dist_reference
 from .ops.attn_dist import kernel_supports as attn_dist_kernel_supports
@@ -32,13 +33,6 @@ def kernel_available() -> bool:
     :func:`kernel_status` says which of the two is missing."""
     registered, gpus, _ = _ext.kernel_status()
     return registered and bool(gpus)
-
-
-def kernel_status():
-    """``(extension_registered, hopper_gpus, description)``: whether the
-    compiled extension is built and registered with XLA, the Hopper GPUs jax
-    sees, and a one-line description of both."""
-    return _ext.kernel_status()
 
 
 __all__ = [

@@ -66,8 +66,7 @@ def indexer_kl(
     gets a zero cotangent (it is the stop-gradient teacher).
     """
     problem = contract.check_problem(index_q, index_k, weights, indices, target)
-    params = contract.check_params(scale=scale, causal=causal, k_stride=k_stride,
-                                            deterministic=deterministic)
+    params = contract.check_params(scale=scale, causal=causal, k_stride=k_stride, deterministic=deterministic)
     implementation = checks.check_implementation(implementation, "indexer_kl")
     packed = packing.check_packing(topk_length, cu_seqlens_q, cu_seqlens_k, q_start_index, problem, "indexer_kl")
     if implementation == "cuda":
