@@ -1,0 +1,79 @@
+"""sparse_mla's primitives and their lowerings, vmap and partitioning rules.
+
+* ``sparse_mla_p``, the logical primitive: canonical operands q [B,S,H,D],
+  kv [B,N,HK,D], indices [B,S,HK,T] int32, q_start [B] int32, row_ranges
+  [B,S,3] or [B,S,0] int32 (``_core.checks.ROW_RANGE_FIELDS``) -> (out
+  [B,S,H,d_v] in q's dtype, lse [B,S,H] float32); static, checked
+  parameters ``sm_scale``, ``causal``, ``k_stride``, ``lse_base``, ``d_v``,
+  ``deterministic``, ``implementation``. Its vmap rule folds vmapped axes
+  into B (``_core/batching.py``); it lowers through custom_partitioning
+  (``partitioning.py``) to the per-shard primitive.
+* ``sparse_mla_local_p``, the per-shard primitive: the same operands and
+  parameters; its lowering picks the CUDA kernel or the jnp reference
+  (``_core/primitives.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ..._core import ext
+from ..._core.batching import register_batching
+from ..._core.explicit_axes import dim_specs
+from ..._core.partitioning import register_partitioned_lowering
+from ..._core.primitives import define_primitive, register_platform_lowerings
+from . import contract
+from .partitioning import PARTITIONING
+from .reference import reference_canonical
+
+
+def _abstract_eval(q, kv, indices, q_start, row_ranges, *, sm_scale, causal, k_stride, lse_base, d_v,
+                   deterministic, implementation):
+    problem = contract.check_canonical(q, kv, indices, q_start, row_ranges)
+    return (jax.core.ShapedArray(problem.canonical_out_shape(d_v), q.dtype),
+            jax.core.ShapedArray(problem.canonical_lse_shape, jnp.float32))
+
+
+sparse_mla_p = define_primitive("sparse_mla", _abstract_eval, multiple_results=True)
+sparse_mla_local_p = define_primitive("sparse_mla_local", _abstract_eval, multiple_results=True)
+
+
+def _ffi_forward(q, kv, indices, q_start, row_ranges, *, sm_scale, causal, k_stride, lse_base, d_v, deterministic,
+                 implementation):
+    """The CUDA kernel through XLA's FFI. Operand order, attribute names and
+    attribute types are the C++ handler's contract (csrc/sparse_mla/):
+    Buffer<BF16> q [B,S,H,D], Buffer<BF16> kv [B,N,1,D], Buffer<S32>
+    indices [B,S,1,T], Buffer<S32> q_start [B], Buffer<S32> row_ranges
+    [B,S,3] or [B,S,0]; attrs sm_scale f32, causal bool, k_stride int32,
+    lse_base_e bool; results Buffer<BF16> out [B,S,H,d_v], Buffer<F32> lse
+    [B,S,H]. (``d_v`` is 512 wherever the kernel is chosen; the forward is
+    deterministic in either mode, so ``deterministic`` is not an attribute
+    of the forward handler.)"""
+    del implementation, deterministic
+    B, S, H, _ = q.shape
+    out_types = (jax.ShapeDtypeStruct((B, S, H, d_v), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, H), jnp.float32))
+    out, lse = jax.ffi.ffi_call(contract.FFI_TARGET, out_types)(
+        q, kv, indices, q_start, row_ranges,
+        sm_scale=np.float32(sm_scale),
+        causal=bool(causal),
+        k_stride=np.int32(k_stride),
+        lse_base_e=bool(lse_base == "e"),
+    )
+    return out, lse
+
+
+def _out_specs(front):  # out [V, B, S, H, d_v], lse [V, B, S, H]: V, B, S, H as q
+    q_spec = dim_specs(front[0])
+    return (P(*q_spec[:4], None), P(*q_spec[:4]))
+
+
+ext.declare_ffi_targets(contract.FFI_TARGET)
+register_platform_lowerings(
+    sparse_mla_local_p, who="sparse_mla", check=contract.check_canonical, supports=contract.kernel_supports,
+    supports_params=("d_v",), jnp_impl=reference_canonical, kernel_impl=_ffi_forward, multiple_results=True,
+)
+register_partitioned_lowering(sparse_mla_p, sparse_mla_local_p, PARTITIONING)
+register_batching(sparse_mla_p, _out_specs)

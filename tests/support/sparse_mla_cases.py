@@ -1,0 +1,111 @@
+"""Seeded sparse_mla problems and their checks against the float64 oracle
+(CPU and GPU tests). Not a test file."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inputs import INT32_MAX, INT32_MIN
+from jax_attn_dist import oracle, sparse_mla
+
+#: Every kind of index that selects no key (N is added per problem).
+BAD_INDICES = (INT32_MIN, INT32_MIN + 1, -7, -1, INT32_MAX - 5, INT32_MAX)
+
+
+def make_sparse_mla_inputs(
+    seed, *, S, H, D, N, T, B=None, HK=1, d_v=None, dtype=jnp.bfloat16, causal=True, k_stride=1,
+    q_start_index=None, lse_base="2", sm_scale=None, indices="adversarial", invalid_fraction=0.3,
+    empty_rows=0.0,
+):
+    """Random sparse_mla inputs ``(q, kv, indices, kwargs)`` (jax arrays and
+    sparse_mla keyword arguments, ``d_v`` defaulting to ``min(D, 512)``).
+
+    ``indices``: "uniform" draws every slot from [-3, N + 3); "adversarial"
+    draws keys in [0, N) with duplicates (every 5th slot repeats its
+    neighbour) and replaces a fraction ``invalid_fraction`` of the slots by
+    INT32_MIN, -1, N, N + 1, INT32_MAX and other out-of-range values, and
+    ``empty_rows`` of the rows (at least one when > 0) entirely.
+    ``q_start_index``: None draws an int in [N k_stride / 2 - 2, N k_stride)
+    (most keys visible, some not); "batch" an int32 [B] array of such
+    values, the first -2 (its first rows see no key)."""
+    rng = np.random.default_rng(seed)
+    lead = (B,) if B is not None else ()
+    d_v = min(D, 512) if d_v is None else d_v
+    sm_scale = float(D ** -0.5 * rng.uniform(0.8, 1.6)) if sm_scale is None else sm_scale
+    q = jnp.asarray(rng.standard_normal(lead + (S, H, D)).astype(np.float32), dtype)
+    kv = jnp.asarray(rng.standard_normal(lead + (N, HK, D)).astype(np.float32), dtype)
+    if indices == "uniform":
+        idx = rng.integers(-3, N + 3, lead + (S, HK, T)).astype(np.int64)
+    else:
+        assert indices == "adversarial", indices
+        idx = rng.integers(0, max(N, 1), lead + (S, HK, T)).astype(np.int64)
+        idx[..., 1::5] = idx[..., ::5][..., : idx[..., 1::5].shape[-1]]  # duplicates
+        pool = np.array(BAD_INDICES + (N, N + 1), np.int64)
+        bad = pool[rng.integers(0, len(pool), idx.shape)]
+        idx = np.where(rng.random(idx.shape) < invalid_fraction, bad, idx)
+        if empty_rows:
+            rows = rng.random(lead + (S,)) < empty_rows
+            rows.reshape(-1)[0] = True
+            idx = np.where(rows[..., None, None], bad, idx)
+    span = max(N * k_stride, 1)
+    if q_start_index is None:
+        q_start_index = int(rng.integers(span // 2 - 2, span))
+    elif isinstance(q_start_index, str) and q_start_index == "batch":
+        starts = rng.integers(span // 2 - 2, span, (B or 1,))
+        starts[0] = -2  # the first element's first rows see no key
+        q_start_index = jnp.asarray(starts, jnp.int32)
+    kwargs = dict(sm_scale=sm_scale, d_v=d_v, causal=causal, q_start_index=q_start_index, k_stride=k_stride,
+                  lse_base=lse_base)
+    return q, kv, jnp.asarray(idx.astype(np.int32)), kwargs
+
+
+def oracle_kwargs(kwargs):
+    """The oracle's keywords: the same, with arrays on the host."""
+    out = dict(kwargs)
+    for name in ("q_start_index", "topk_length", "cu_seqlens_q", "cu_seqlens_k"):
+        if name in out and not isinstance(out[name], (int, type(None))):
+            out[name] = np.asarray(out[name])
+    out.pop("implementation", None)
+    out.pop("deterministic", None)
+    return out
+
+
+def run(q, kv, idx, kwargs, *, jit=True, **extra):
+    """sparse_mla with ``kwargs`` (+ ``extra``), under jit with every array
+    keyword traced."""
+    kw = dict(kwargs, **extra)
+    arrays = {n: kw.pop(n) for n in ("q_start_index", "topk_length", "cu_seqlens_q", "cu_seqlens_k")
+              if n in kw and not isinstance(kw[n], (int, type(None)))}
+    f = lambda q, kv, i, a: sparse_mla(q, kv, i, **kw, **a)  # noqa: E731
+    return (jax.jit(f) if jit else f)(q, kv, idx, arrays)
+
+
+def lse_errors(lse, ref):
+    """(max |lse - ref| over the finite entries, whether the -inf entries
+    match exactly)."""
+    lse, ref = np.asarray(lse, np.float64), np.asarray(ref, np.float64)
+    empty = np.isneginf(ref)
+    same_empty = bool(np.array_equal(np.isneginf(lse), empty)) and bool(np.isfinite(lse[~empty]).all())
+    err = float(np.abs(lse[~empty] - ref[~empty]).max()) if (~empty).any() else 0.0
+    return err, same_empty
+
+
+def check_against_oracle(q, kv, idx, kwargs, out, lse, *, out_tol, lse_tol, **packing):
+    """out within ``out_tol`` (SPEC §3.1's two measures) and lse within
+    ``lse_tol`` (absolute) of the float64 oracle; rows with no valid slot
+    exactly 0 and -inf; out finite, in q's dtype."""
+    ref_out, ref_lse = oracle.sparse_mla_oracle(q, kv, idx, **oracle_kwargs(kwargs), **oracle_kwargs(packing))
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert np.isfinite(out).all(), "out has non-finite values"
+    assert np.abs(ref_out).max() > 0, "degenerate problem: the oracle's out is all 0"
+    rel, mx = oracle.spec_errors(out, ref_out)
+    assert rel <= out_tol and mx <= out_tol, f"out: rel {rel:.3e}, max {mx:.3e} (tol {out_tol:g})"
+    err, same_empty = lse_errors(lse, ref_lse)
+    assert same_empty, "lse: the rows with no valid slot (-inf) differ"
+    assert err <= lse_tol, f"lse: max abs error {err:.3e} (tol {lse_tol:g})"
+    empty = np.isneginf(ref_lse)
+    assert np.all(out[empty] == 0.0), "rows with no valid slot must give out = 0 exactly"
+    return ref_out, ref_lse
