@@ -1,0 +1,66 @@
+"""Seeded random inputs for the indexer_topk tests (CPU and GPU), and the
+float64 check of a selection. Not a test file."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_attn_dist.oracle import indexer_topk as topk_oracle
+
+FP8 = jnp.float8_e4m3fn
+
+
+def make_topk_inputs(seed, *, S, HI, DI, N, B=None, dtype=jnp.bfloat16, weights_dtype=jnp.float32, causal=True,
+                     k_stride=1, q_start_index=None, scale=None, key_scale=False, repeat_keys=0):
+    """(index_q, index_k, weights, kwargs) for indexer_topk.
+
+    ``q_start_index``: None draws an int in [-3, N * k_stride) (so that some
+    rows see fewer keys than others, some none), "batch" an int32 [B] array,
+    an int is used as given. float8 inputs (and ``key_scale=True``) get a
+    random positive ``index_k_scale`` in kwargs. ``repeat_keys``: that many
+    keys are copies of key 0 (exact ties with a smaller index)."""
+    rng = np.random.default_rng(seed)
+    lead = (B,) if B is not None else ()
+    index_q = rng.standard_normal(lead + (S, HI, DI)) * DI ** -0.25
+    index_k = rng.standard_normal(lead + (N, DI)) * DI ** -0.25
+    if repeat_keys:
+        pick = rng.choice(np.arange(1, N), size=min(repeat_keys, N - 1), replace=False)
+        index_k[..., pick, :] = index_k[..., :1, :]
+    index_q = jnp.asarray(index_q.astype(np.float32), dtype)
+    index_k = jnp.asarray(index_k.astype(np.float32), dtype)
+    weights = jnp.asarray((rng.standard_normal(lead + (S, HI)) * HI ** -0.5).astype(np.float32), weights_dtype)
+    span = max(N * k_stride, 1)
+    if q_start_index is None:
+        q_start_index = int(rng.integers(-3, span))
+    elif isinstance(q_start_index, str):
+        assert q_start_index == "batch" and B is not None
+        q_start_index = jnp.asarray(rng.integers(-3, span, (B,)), jnp.int32)
+    kwargs = dict(scale=float(rng.uniform(0.5, 2.0)) if scale is None else scale, causal=causal,
+                  q_start_index=q_start_index, k_stride=k_stride)
+    if key_scale or jnp.dtype(dtype) == jnp.dtype(FP8):
+        kwargs["index_k_scale"] = jnp.asarray(rng.uniform(0.25, 4.0, lead + (N,)).astype(np.float32))
+    return index_q, index_k, weights, kwargs
+
+
+def oracle_logits(index_q, index_k, weights, kwargs, **packing):
+    """The float64 logits [B?, S, N] (-inf where not valid) of a call with
+    these arguments (``kwargs`` as make_topk_inputs gives them, without
+    ``topk``)."""
+    kw = {k: v for k, v in kwargs.items() if k not in ("topk", "implementation")}
+    if not isinstance(kw.get("q_start_index"), int):
+        kw["q_start_index"] = np.asarray(kw["q_start_index"])
+    if kw.get("index_k_scale") is not None:
+        kw["index_k_scale"] = np.asarray(kw["index_k_scale"])
+    return topk_oracle.indexer_topk_logits_oracle(index_q, index_k, weights, **kw, **packing)
+
+
+def check_selection(indices, index_q, index_k, weights, kwargs, topk, **packing):
+    """indices [B?, S, 1, topk] is int32 and acceptable under SPEC §9.3 for
+    every row; returns the float64 logits."""
+    indices = np.asarray(indices)
+    logits = oracle_logits(index_q, index_k, weights, kwargs, **packing)
+    assert indices.dtype == np.int32, indices.dtype
+    assert indices.shape == logits.shape[:-1] + (1, topk), (indices.shape, logits.shape)
+    topk_oracle.assert_topk_acceptable(indices, logits, topk)
+    return logits
