@@ -1,5 +1,6 @@
-"""An independent float64 NumPy evaluation of SPEC §2, §5 and §6 (no jax),
-one module per op (``attn_dist``, ``indexer``) over the shared validity rule.
+"""An independent float64 NumPy evaluation of SPEC §2, §5, §6 and §8 (no jax),
+one module per op (``attn_dist``, ``indexer``, ``sparse_mla``) over the shared
+validity rule.
 
 Written from docs/SPEC.md alone, sharing no code with the jnp paths: the
 demo checks its result against it on every machine, the CPU tests check the
@@ -27,10 +28,17 @@ from .indexer import (
     indexer_kl_oracle,
     indexer_lse_oracle,
 )
+from .sparse_mla import (
+    SPARSE_MLA_LSE_TOLERANCE,
+    SPARSE_MLA_OUT_TOLERANCE,
+    sparse_mla_grads_oracle,
+    sparse_mla_oracle,
+)
 from .validity import packed_owner, packed_valid_mask, to_f64, valid_mask
 
 __all__ = [
     "ATTN_DIST_TOLERANCE", "HEADS_PER_GROUP", "INDEXER_TOLERANCE", "assert_indexer_close", "assert_within_spec",
     "attn_dist_oracle", "exact_lse", "indexer_error", "indexer_grads_oracle", "indexer_kl_oracle",
     "indexer_lse_oracle", "packed_owner", "packed_valid_mask", "spec_errors", "to_f64", "valid_mask",
+    "SPARSE_MLA_LSE_TOLERANCE", "SPARSE_MLA_OUT_TOLERANCE", "sparse_mla_grads_oracle", "sparse_mla_oracle",
 ]
