@@ -59,9 +59,15 @@ def indexer_topk_logits_oracle(index_q, index_k, weights, *, scale=1.0, causal=T
         iq, ik, w = iq[None], ik[None], w[None]
     B, S = iq.shape[:2]
     N = ik.shape[1]
+    HI, DI = iq.shape[2:]
     ks = np.ones((B, N)) if index_k_scale is None else np.asarray(index_k_scale, np.float64).reshape(B, N)
-    z = np.einsum("bshd,bnd->bshn", iq, ik) * ks[:, None, None, :]
-    logits = scale * np.einsum("bsh,bshn->bsn", w, np.maximum(z, 0.0))
+    logits = np.zeros((B, S, N))
+    rows = max(1, (1 << 23) // max(HI * N, 1))  # about 64 MB of float64 scores at a time
+    for b in range(B):
+        for s0 in range(0, S, rows):
+            q = iq[b, s0:s0 + rows]
+            z = (q.reshape(-1, DI) @ ik[b].T).reshape(q.shape[0], HI, N) * ks[b]
+            logits[b, s0:s0 + rows] = scale * (w[b, s0:s0 + rows, None, :] @ np.maximum(z, 0.0))[:, 0]
     begin, end = _key_ranges(S, N, B, causal=causal, q_start_index=q_start_index, k_stride=k_stride,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     n = np.arange(N)
