@@ -1,6 +1,6 @@
-"""An independent float64 NumPy evaluation of SPEC §2, §5, §6 and §8 (no jax),
-one module per op (``attn_dist``, ``indexer``, ``sparse_mla``) over the shared
-validity rule.
+"""An independent float64 NumPy evaluation of SPEC §2, §5, §6, §8 and §9 (no
+jax), one module per op (``attn_dist``, ``indexer``, ``sparse_mla``,
+``indexer_topk``) over the shared validity rule.
 
 Written from docs/SPEC.md alone, sharing no code with the jnp paths: the
 demo checks its result against it on every machine, the CPU tests check the
@@ -28,6 +28,13 @@ from .indexer import (
     indexer_kl_oracle,
     indexer_lse_oracle,
 )
+from .indexer_topk import (
+    TOPK_TOLERANCE,
+    assert_topk_acceptable,
+    exact_topk,
+    indexer_topk_logits_oracle,
+    topk_selection_error,
+)
 from .sparse_mla import (
     SPARSE_MLA_LSE_TOLERANCE,
     SPARSE_MLA_OUT_TOLERANCE,
@@ -40,5 +47,6 @@ __all__ = [
     "ATTN_DIST_TOLERANCE", "HEADS_PER_GROUP", "INDEXER_TOLERANCE", "assert_indexer_close", "assert_within_spec",
     "attn_dist_oracle", "exact_lse", "indexer_error", "indexer_grads_oracle", "indexer_kl_oracle",
     "indexer_lse_oracle", "packed_owner", "packed_valid_mask", "spec_errors", "to_f64", "valid_mask",
+    "TOPK_TOLERANCE", "assert_topk_acceptable", "exact_topk", "indexer_topk_logits_oracle", "topk_selection_error",
     "SPARSE_MLA_LSE_TOLERANCE", "SPARSE_MLA_OUT_TOLERANCE", "sparse_mla_grads_oracle", "sparse_mla_oracle",
 ]
