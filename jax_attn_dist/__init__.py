@@ -4,7 +4,9 @@
   top-k keys (the indexer's target; docs/SPEC.md §2).
 * :func:`indexer_kl`, :func:`indexer_loss`: the lightning indexer's KL loss
   (docs/SPEC.md §5).
-* All three take packed sequences (``cu_seqlens_q``/``cu_seqlens_k``) and
+* :func:`sparse_mla`: sparse MLA attention over the top-k keys, giving the
+  output and the lse that attn_dist takes (docs/SPEC.md §8).
+* All of them take packed sequences (``cu_seqlens_q``/``cu_seqlens_k``) and
   per-row top-k lengths (``topk_length``), docs/SPEC.md §6;
   :func:`cu_seqlens_from_segment_ids` builds the boundaries.
 * :func:`kernel_status` says whether the CUDA kernels can run here.
@@ -20,6 +22,8 @@ from .ops.attn_dist import HEADS_PER_GROUP, attn_dist, attn_dist_p, attn_dist_re
 from .ops.attn_dist import kernel_supports as attn_dist_kernel_supports
 from .ops.indexer import indexer_kl, indexer_kl_bwd_p, indexer_kl_p, indexer_kl_reference, indexer_loss
 from .ops.indexer import kernel_supports as indexer_kernel_supports
+from .ops.sparse_mla import kernel_supports as sparse_mla_kernel_supports
+from .ops.sparse_mla import sparse_mla, sparse_mla_p, sparse_mla_reference
 
 __version__ = "0.3.0"
 
@@ -52,4 +56,8 @@ __all__ = [
     "kernel_available",
     "kernel_status",
     "kernel_supports",
+    "sparse_mla",
+    "sparse_mla_kernel_supports",
+    "sparse_mla_p",
+    "sparse_mla_reference",
 ]

@@ -9,3 +9,4 @@ registrations, CMakeLists.txt's variant lists).
 """
 
 from . import attn_dist, indexer  # noqa: F401  (registers each op's primitives and rules)
+from . import sparse_mla  # noqa: F401
