@@ -52,26 +52,26 @@ __device__ __forceinline__ int32_t clamp_to(int32_t x, int32_t lo, int32_t hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
-// The slots of query row s of batch element b (indices laid out [B, S, T];
-// row_ranges [B, S, 3] or nullptr).
-__device__ __forceinline__ RowSlots make_row_slots(const int32_t* indices, int b, int s, int s_q, int topk,
-                                                   int num_keys, bool causal, const int32_t* q_start,
-                                                   int k_stride, const int32_t* row_ranges) {
-  const int64_t row = int64_t(b) * s_q + s;
-  RowSlots r;
-  r.indices = indices + row * topk;
+// The keys row s of batch element b may see, key_begin .. key_begin +
+// key_span - 1 inside [0, N] (row_ranges [B, S, 3] or nullptr): the range
+// part of RowSlots, shared with kernels that select keys rather than take
+// slot indices (indexer_topk).
+struct KeyRange {
+  uint32_t begin;
+  uint32_t span;
+};
+
+__device__ __forceinline__ KeyRange make_key_range(int b, int s, int s_q, int num_keys, bool causal,
+                                                   const int32_t* q_start, int k_stride,
+                                                   const int32_t* row_ranges) {
   if (row_ranges != nullptr) {
-    const int32_t* bounds = row_ranges + row * kRowRangeFields;
+    const int32_t* bounds = row_ranges + (int64_t(b) * s_q + s) * kRowRangeFields;
     const int32_t begin = clamp_to(__ldg(bounds), 0, num_keys);
     const int32_t end = clamp_to(__ldg(bounds + 1), begin, num_keys);
-    r.topk = clamp_to(__ldg(bounds + 2), 0, topk);
     // An empty range starts at 0, so that the gather's dummy source row
     // (offset 0, never read) stays inside the key array.
-    r.key_begin = uint32_t(end > begin ? begin : 0);
-    r.key_span = uint32_t(end - begin);
-    return r;
+    return KeyRange{uint32_t(end > begin ? begin : 0), uint32_t(end - begin)};
   }
-  r.topk = topk;
   int64_t limit = num_keys;
   if (causal) {
     // Query at absolute position q_start + s sees key i iff
@@ -80,8 +80,21 @@ __device__ __forceinline__ RowSlots make_row_slots(const int32_t* indices, int b
     const int64_t max_visible_key = floor_div(pos + 1 - k_stride, k_stride);
     limit = max_visible_key + 1 < limit ? max_visible_key + 1 : limit;
   }
-  r.key_begin = 0;
-  r.key_span = uint32_t(limit > 0 ? limit : 0);
+  return KeyRange{0u, uint32_t(limit > 0 ? limit : 0)};
+}
+
+// The slots of query row s of batch element b (indices laid out [B, S, T];
+// row_ranges [B, S, 3] or nullptr).
+__device__ __forceinline__ RowSlots make_row_slots(const int32_t* indices, int b, int s, int s_q, int topk,
+                                                   int num_keys, bool causal, const int32_t* q_start,
+                                                   int k_stride, const int32_t* row_ranges) {
+  const int64_t row = int64_t(b) * s_q + s;
+  RowSlots r;
+  r.indices = indices + row * topk;
+  const KeyRange keys = make_key_range(b, s, s_q, num_keys, causal, q_start, k_stride, row_ranges);
+  r.key_begin = keys.begin;
+  r.key_span = keys.span;
+  r.topk = row_ranges != nullptr ? clamp_to(__ldg(row_ranges + row * kRowRangeFields + 2), 0, topk) : topk;
   return r;
 }
 

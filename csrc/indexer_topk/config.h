@@ -1,0 +1,103 @@
+// Tiles, shared-memory plan and barriers of the SM90 indexer_topk kernel
+// (docs/KERNELS.md, "indexer_topk").
+//
+// One CTA per pair of query rows. The logits are a dense WGMMA
+//   acc[key, (row, head)] = K_block[key, d] . Q[(row, head), d]
+// with M = 64 consecutive keys (a TMA tile of index_k) and N = 2 rows x 64
+// heads, so that each row's weighted relu head sum is a sum along an
+// accumulator row (register FMAs and quad shuffles, in a fixed order). The
+// keys' logits go to shared memory as order-preserving uint32 keys, one array
+// per row; the selection then runs there (select.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda.h>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include "../common/gather.cuh"
+#include "params.h"
+
+namespace attn_dist {
+namespace indexer_topk {
+
+// Two consumer warpgroups and one producer warpgroup, one CTA per SM. The
+// consumers take the key blocks of a chunk alternately (block j: warpgroup
+// j % 2), so that one's epilogue overlaps the other's WGMMAs; afterwards
+// consumer warpgroup r selects row r's keys.
+constexpr int kRows = 2;                     // query rows per CTA (= consumer warpgroups)
+constexpr int kConsumers = kRows;
+constexpr int kThreads = (kConsumers + 1) * kWarpgroupThreads;
+constexpr int kBlockKeys = 64;               // keys per WGMMA block (the M of the WGMMA)
+// Keys whose logits a row holds in shared memory at once (a chunk). A row
+// pair whose keys span more runs several passes over its chunks (kernel.cuh).
+constexpr int kChunkKeys = 8192;
+constexpr int kLogitPad = 16;                // row stride padding: row 1's stores land 16 banks off row 0's
+constexpr int kHistBits = 11;                // radix digit of the selection
+constexpr int kHistBins = 1 << kHistBits;
+
+// Named barriers (0 is __syncthreads, used only at set-up).
+constexpr int kBarConsumers = 1;             // both consumer warpgroups
+constexpr int kBarPass = 2;                  // consumers arrive, the producer warp syncs: the next pass's kind
+constexpr int kBarRow0 = 3;                  // + r: consumer warpgroup r alone
+
+// DI: indexer head dim. HT: heads per query row in the WGMMA (the variant's HI).
+template <int DI_, int HT_>
+struct Config {
+  static constexpr int DI = DI_;
+  static constexpr int HT = HT_;
+  static constexpr int kDimTiles = DI / kDimTile;
+  static constexpr int kMmaN = kRows * HT;
+  static_assert(DI % kDimTile == 0, "DI must be a multiple of 64");
+  static_assert(HT == 64, "the kernel is built for 64 heads per row (WGMMA N = 128)");
+
+  // Q: the two rows' heads (row-major (row, head)), all DI dims, K-major with
+  // the 128-byte swizzle, one (kMmaN x 64) tile per dim tile. Written by TMA.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+      cute::Shape<cute::Int<kMmaN>, cute::Int<kDimTile>, cute::Int<kDimTiles>>{}));
+  static constexpr int kQTileBytes = kMmaN * kDimTile * int(sizeof(bf16));
+  static constexpr int kQBytes = kQTileBytes * kDimTiles;
+
+  // A stage is one block: 64 keys x DI dims, as kDimTiles (64 x 64) tiles.
+  static constexpr int kKeyTileBytes = kBlockKeys * kDimTile * int(sizeof(bf16));
+  static constexpr int kStageBytes = kKeyTileBytes * kDimTiles;
+  static constexpr int kLogitRowWords = kChunkKeys + kLogitPad;
+  static constexpr int kFixedBytes = kQBytes + kRows * kLogitRowWords * 4 + kRows * kHistBins * 4 + 1024;
+  static constexpr int kStages = (kMaxDynamicSmem - kSmemAlign - kFixedBytes) / kStageBytes;
+  // >= 3: a warpgroup's next block is at most 2 ahead of its last one (the
+  // ring's parity waits rely on it, see kernel.cuh).
+  static_assert(kStages >= 3, "the key ring needs at least three stages");
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+      cute::Shape<cute::Int<kBlockKeys>, cute::Int<kDimTile>, cute::Int<kStages * kDimTiles>>{}));
+
+  using TiledMma = KeyBlockMma<kMmaN>;
+
+  struct SharedMemoryPlan {
+    alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
+    alignas(kSmemAlign) bf16 k[cute::cosize_v<SmemLayoutK>];
+    uint32_t logits[kRows][kLogitRowWords];  // order keys (select.cuh) of the chunk's keys, per row
+    uint32_t hist[kRows][kHistBins];         // each row's radix histogram
+    uint64_t full[kStages];                  // a stage's TMA landed (one arrival + transaction bytes)
+    uint64_t empty[kStages];                 // the 4 warps of the consuming warpgroup read it
+    uint64_t q_ready;
+    uint32_t warp_sums[kRows][2][4][2];      // per row: two buffers of each warp's pair of counts
+    uint32_t found[kRows][3];                // per row: a radix round's bin, count above it, count in it
+    int next_pass_emits;                     // multi-pass: the next pass writes the output
+    int row_done[kRows];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment
+  static_assert(kSmemBytes <= kMaxDynamicSmem, "shared-memory plan exceeds 227 KiB");
+};
+
+// Passed by value as a __grid_constant__ kernel parameter.
+struct TmaParams {
+  CUtensorMap q;  // 4-D (DI, HI, S, B) bf16, box (64, HT, kRows, 1), SWIZZLE_128B
+  CUtensorMap k;  // 3-D (DI, N, B) bf16, box (64, 64, 1), SWIZZLE_128B
+};
+
+}  // namespace indexer_topk
+}  // namespace attn_dist

@@ -1,0 +1,393 @@
+// The SM90 indexer_topk kernel and its host launcher (docs/KERNELS.md,
+// "indexer_topk").
+//
+// One CTA per pair of query rows (b, s0), (b, s0 + 1); 3 warpgroups:
+//   WG0, WG1  consumers. They take a chunk's key blocks alternately: a
+//             64 keys x (2 rows x 64 heads) x DI WGMMA, then per key and row
+//             sum_h weights * relu(z * index_k_scale), scaled, stored as an
+//             order key in the row's shared-memory array. Then WG r selects
+//             row r's keys (select.cuh) and writes them.
+//   WG2       producer: one thread loads index_q by TMA once and streams the
+//             key blocks (dense [64, DI] TMA tiles) through the stage ring.
+// A row whose valid keys number at most topk needs no logits: its keys are
+// written directly. Otherwise the pair's keys (the union of its selecting
+// rows' ranges) are computed in chunks of kChunkKeys. One chunk (any N up to
+// 8192): one GEMM pass, and every radix round runs on the resident logits.
+// Several chunks: one GEMM pass per radix round (histograms only), then one
+// that writes the output; the producer learns from the consumers at each
+// pass's end whether the next one writes (kBarPass).
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "../common/host.h"
+#include "../common/slot_validity.cuh"
+#include "select.cuh"
+
+namespace attn_dist {
+namespace indexer_topk {
+
+using namespace cute;
+
+struct RowInfo {
+  int64_t row;        // b * S + s
+  bool present;       // s < S
+  bool select;        // more valid keys than topk: the logits are needed
+  uint32_t begin, span;
+};
+
+// Per-CTA facts, the same in every thread.
+struct CtaProblem {
+  int batch, s0;
+  RowInfo rows[kRows];
+  bool any_select;
+  uint32_t begin, end;  // the keys the logits are computed for: the selecting rows' ranges' union
+  int num_chunks;
+
+  __device__ __forceinline__ uint32_t chunk_begin(int c) const { return begin + uint32_t(c) * kChunkKeys; }
+  __device__ __forceinline__ int chunk_keys(int c) const { return int(min(end - chunk_begin(c), uint32_t(kChunkKeys))); }
+  __device__ __forceinline__ int chunk_blocks(int c) const { return (chunk_keys(c) + kBlockKeys - 1) / kBlockKeys; }
+};
+
+// Row pairs run from the end of the sequence (the longest causal rows) down,
+// the batch elements interleaved, so that the long rows start first.
+__device__ __forceinline__ CtaProblem locate_cta(const IndexerTopkParams& p) {
+  CtaProblem c;
+  const int pairs = (p.s_q + 1) / 2;
+  c.batch = int(blockIdx.x % uint32_t(p.batch));
+  c.s0 = 2 * (pairs - 1 - int(blockIdx.x / uint32_t(p.batch)));
+  c.any_select = false;
+  c.begin = 0xFFFFFFFFu;
+  c.end = 0u;
+  for (int r = 0; r < kRows; ++r) {
+    RowInfo& ri = c.rows[r];
+    const int s = c.s0 + r;
+    ri.row = int64_t(c.batch) * p.s_q + s;
+    ri.present = s < p.s_q;
+    const KeyRange keys = ri.present ? make_key_range(c.batch, s, p.s_q, p.s_kv, p.causal, p.q_start, p.k_stride,
+                                                      p.row_ranges)
+                                     : KeyRange{0u, 0u};
+    ri.begin = keys.begin;
+    ri.span = keys.span;
+    ri.select = keys.span > uint32_t(p.topk);
+    if (ri.select) {
+      c.any_select = true;
+      c.begin = min(c.begin, keys.begin);
+      c.end = max(c.end, keys.begin + keys.span);
+    }
+  }
+  c.num_chunks = c.any_select ? int((c.end - c.begin + kChunkKeys - 1) / kChunkKeys) : 0;
+  return c;
+}
+
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kBarConsumers), "n"(kConsumers * kWarpgroupThreads) : "memory");
+}
+constexpr int kPassThreads = kConsumers * kWarpgroupThreads + 32;  // + the producer warp
+
+// ---------------------------------------------------------------------------
+// Producer (warp 0 of WG2; lane 0 issues).
+// ---------------------------------------------------------------------------
+template <class Cfg>
+__device__ __forceinline__ void produce(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
+                                        const CtaProblem& c, int lane) {
+  if (!c.any_select) return;
+  if (lane == 0) {
+    cute::prefetch_tma_descriptor(&tma.q);
+    cute::prefetch_tma_descriptor(&tma.k);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.q_ready, uint32_t(Cfg::kQBytes));
+    for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
+      SM90_TMA_LOAD_4D::copy(&tma.q, &plan.q_ready, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                             plan.q + dt * Cfg::kMmaN * kDimTile, dt * kDimTile, 0, c.s0, c.batch);
+  }
+  int j = 0;  // blocks streamed so far (stage j % kStages, its use j / kStages)
+  bool emits = c.num_chunks == 1;
+  for (;;) {
+    for (int ch = 0; ch < c.num_chunks; ++ch) {
+      const int blocks = c.chunk_blocks(ch);
+      if (lane == 0) {
+        for (int blk = 0; blk < blocks; ++blk, ++j) {
+          const int stage = j % Cfg::kStages;
+          cutlass::arch::ClusterBarrier::wait(&plan.empty[stage], uint32_t((j / Cfg::kStages) & 1) ^ 1u);
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.full[stage], uint32_t(Cfg::kStageBytes));
+          const int key0 = int(c.chunk_begin(ch)) + blk * kBlockKeys;  // keys past N are zero-filled
+          for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
+            SM90_TMA_LOAD_3D::copy(&tma.k, &plan.full[stage], uint64_t(TMA::CacheHintSm90::EVICT_LAST),
+                                   plan.k + (stage * Cfg::kDimTiles + dt) * kBlockKeys * kDimTile, dt * kDimTile,
+                                   key0, c.batch);
+        }
+      }
+    }
+    if (emits) break;
+    __syncwarp();
+    asm volatile("bar.sync %0, %1;" ::"n"(kBarPass), "n"(kPassThreads) : "memory");
+    emits = plan.next_pass_emits != 0;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Consumers.
+// ---------------------------------------------------------------------------
+
+// A thread's weights: accumulator columns 8j + 2(l%4) + {0, 1}, which are
+// row j / 8's heads 8(j % 8) + 2(l%4) + {0, 1}; 0 past HI and for a row past S.
+template <class Cfg>
+struct ColumnWeights {
+  float2 w[Cfg::kMmaN / 8];
+
+  __device__ __forceinline__ void load(const IndexerTopkParams& p, const CtaProblem& c, int lane) {
+    CUTE_UNROLL
+    for (int j = 0; j < Cfg::kMmaN / 8; ++j) {
+      const RowInfo& ri = c.rows[j / (Cfg::HT / 8)];
+      const int h = 8 * (j % (Cfg::HT / 8)) + 2 * (lane % 4);
+      const float* src = p.weights + ri.row * p.h_idx + h;
+      w[j].x = ri.present && h < p.h_idx ? __ldg(src) : 0.f;
+      w[j].y = ri.present && h + 1 < p.h_idx ? __ldg(src + 1) : 0.f;
+    }
+  }
+};
+
+// relu(z * ks) / |ks| with ks's sign: max(z, 0), or min(z, 0) for ks < 0
+// (then times ks: relu(z * ks) = ks * min(z, 0)).
+__device__ __forceinline__ float signed_relu(float z, bool negative) { return negative ? fminf(z, 0.f) : fmaxf(z, 0.f); }
+
+// Per (query row, key rh) of this thread: sum over its columns of
+// weight * signed_relu(z), two FMA chains (even and odd columns) added at the
+// end (WGMMA 64xN f32 layout: acc(4j + 2rh + e) is key 16w + l/4 + 8rh,
+// column 8j + 2(l%4) + e).
+template <class Cfg, bool kSigned, class Acc>
+__device__ __forceinline__ void weighted_head_sums(const Acc& acc, const ColumnWeights<Cfg>& weights,
+                                                   const bool (&negative)[2], float (&part)[kRows][2]) {
+  constexpr int kJ = Cfg::HT / 8;  // column groups per query row
+  CUTE_UNROLL
+  for (int row = 0; row < kRows; ++row) {
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const bool neg = kSigned && negative[rh];
+      float even = 0.f, odd = 0.f;
+      CUTE_UNROLL
+      for (int jj = 0; jj < kJ; ++jj) {
+        const int jc = row * kJ + jj;
+        even = fmaf(weights.w[jc].x, signed_relu(acc(4 * jc + 2 * rh), neg), even);
+        odd = fmaf(weights.w[jc].y, signed_relu(acc(4 * jc + 2 * rh + 1), neg), odd);
+      }
+      part[row][rh] = even + odd;
+    }
+  }
+}
+
+// The logits of one block: the WGMMA over the stage, the stage released, then
+// each (key, row) sum reduced over its quad and stored by one lane.
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                             const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
+                                             Acc& acc, const ColumnWeights<Cfg>& weights, int j, uint32_t key0,
+                                             int slot, int t) {
+  const int warp = t / 32, lane = t % 32, quad = lane % 4;
+  const int stage = j % Cfg::kStages;
+  // This thread's two keys (accumulator rows 16w + l/4 + 8rh); their scales
+  // are loaded before the wait.
+  float ks[2];
+  bool negative[2];
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    const uint32_t key = key0 + uint32_t(16 * warp + lane / 4 + 8 * rh);
+    const float v = key < uint32_t(p.s_kv) ? __ldg(p.index_k_scale + int64_t(c.batch) * p.s_kv + key) : 0.f;
+    negative[rh] = v < 0.f;
+    ks[rh] = v * p.scale;
+  }
+  cutlass::arch::ClusterTransactionBarrier::wait(&plan.full[stage], uint32_t((j / Cfg::kStages) & 1));
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tA); ++kb) {
+      cute::gemm(mma, tA(_, _, kb, stage * Cfg::kDimTiles + dt), tB(_, _, kb, dt), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[stage]);
+
+  // part[row][rh]: the thread's columns of each (query row, key) sum. A warp
+  // whose keys all have index_k_scale >= 0 (the usual case) takes max(z, 0)
+  // alone; otherwise each element picks max or min by its key's sign.
+  float part[kRows][2];
+  if (__all_sync(0xffffffffu, !(negative[0] || negative[1])))
+    weighted_head_sums<Cfg, false>(acc, weights, negative, part);
+  else
+    weighted_head_sums<Cfg, true>(acc, weights, negative, part);
+  // Quad reduction with a transpose: after it lane q holds (row q / 2, rh q % 2).
+  const bool upper = quad & 2, odd_lane = quad & 1;
+  float keep[2], send[2];
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    keep[rh] = upper ? part[1][rh] : part[0][rh];
+    send[rh] = upper ? part[0][rh] : part[1][rh];
+  }
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) keep[rh] += __shfl_xor_sync(0xffffffffu, send[rh], 2);
+  float sum = odd_lane ? keep[1] : keep[0];
+  sum += __shfl_xor_sync(0xffffffffu, odd_lane ? keep[0] : keep[1], 1);
+  const int row = quad >> 1, rh = quad & 1;
+  const int m = 16 * warp + lane / 4 + 8 * rh;
+  plan.logits[row][slot * kBlockKeys + m] = order_key(sum * (rh ? ks[1] : ks[0]));
+}
+
+template <class Cfg>
+__device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                        const CtaProblem& c, int wg, int t) {
+  const int lane = t % 32;
+  const RowInfo me = wg == 0 ? c.rows[0] : c.rows[1];  // this warpgroup selects row wg
+  int32_t* out = p.indices + me.row * p.topk;
+  if (me.present && !me.select) write_all_keys(out, me.begin, me.span, p.topk, t);
+  if (!c.any_select) return;
+  for (int i = t; i < kHistBins; i += kWarpgroupThreads) plan.hist[wg][i] = 0u;
+
+  typename Cfg::TiledMma mma;
+  auto thr_mma = mma.get_slice(t);
+  Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Cfg::SmemLayoutQ{});  // (128, 64, dim tiles)
+  Tensor sK = make_tensor(make_smem_ptr(plan.k), typename Cfg::SmemLayoutK{});  // (64, 64, stages x dim tiles)
+  Tensor tA = thr_mma.partition_fragment_A(sK);
+  Tensor tB = thr_mma.partition_fragment_B(sQ);
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockKeys>, Int<Cfg::kMmaN>>{});
+  ColumnWeights<Cfg> weights;
+  weights.load(p, c, lane);
+  cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready, 0);
+
+  int j0 = 0;  // blocks of earlier chunks and passes (both warpgroups count alike)
+  auto gemm_chunk = [&](int ch) {
+    const int blocks = c.chunk_blocks(ch);
+    for (int blk = wg; blk < blocks; blk += kConsumers)
+      block_logits<Cfg>(plan, p, c, mma, tA, tB, acc, weights, j0 + blk,
+                        c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), blk, t);
+    j0 += blocks;
+    consumers_sync();  // both rows' logits of the chunk stored
+  };
+  const uint32_t* u = plan.logits[wg];
+
+  if (c.num_chunks == 1) {
+    gemm_chunk(0);
+    if (!me.select) return;
+    const int a = int(me.begin - c.begin), e = a + int(me.span);
+    RowSelect s = start_resident(plan, u, a, e, p.topk, wg, t);
+    while (!s.done()) {
+      hist_add(plan.hist[wg], u, a, e, s, t);
+      hist_resolve(plan, s, wg, t);
+    }
+    EmitCursor cur;
+    emit_keys(plan, u, a, e, c.begin, s, cur, out, p.topk, wg, t);
+    return;
+  }
+
+  // Several chunks: a histogram pass per radix round, then the output pass.
+  RowSelect s;
+  s.prefix = 0u, s.low_bits = 32, s.need = uint32_t(p.topk), s.count = me.span;
+  EmitCursor cur;
+  bool emits = false;
+  for (;;) {
+    for (int ch = 0; ch < c.num_chunks; ++ch) {
+      gemm_chunk(ch);
+      const uint32_t cb = c.chunk_begin(ch), ce = cb + uint32_t(c.chunk_keys(ch));
+      const uint32_t lo = max(me.begin, cb), hi = min(me.begin + me.span, ce);
+      if (me.select && lo < hi && (emits || !s.done())) {
+        if (emits) emit_keys(plan, u, int(lo - cb), int(hi - cb), cb, s, cur, out, p.topk, wg, t);
+        else hist_add(plan.hist[wg], u, int(lo - cb), int(hi - cb), s, t);
+      }
+      consumers_sync();  // the row is read before the next chunk's logits overwrite it
+    }
+    if (emits) return;
+    if (me.select && !s.done()) hist_resolve(plan, s, wg, t);
+    if (t == 0) plan.row_done[wg] = !me.select || s.done();
+    consumers_sync();
+    emits = plan.row_done[0] && plan.row_done[1];
+    if (wg == 0 && t == 0) plan.next_pass_emits = emits;
+    consumers_sync();  // row_done is read before the next pass writes it
+    asm volatile("bar.arrive %0, %1;" ::"n"(kBarPass), "n"(kPassThreads) : "memory");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The kernel.
+// ---------------------------------------------------------------------------
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, 1)
+    indexer_topk_kernel(const __grid_constant__ IndexerTopkParams params, const __grid_constant__ TmaParams tma) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ char smem_raw[];
+  using Plan = typename Cfg::SharedMemoryPlan;
+  Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
+                                        ~uintptr_t(kSmemAlign - 1));
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Cfg::kStages; ++i) {
+      cutlass::arch::ClusterBarrier::init(&plan.full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&plan.empty[i], 4);  // the consuming warpgroup's warps
+    }
+    cutlass::arch::ClusterBarrier::init(&plan.q_ready, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const CtaProblem cta = locate_cta(params);
+  const int wg = int(threadIdx.x) / kWarpgroupThreads;
+  const int t = int(threadIdx.x) % kWarpgroupThreads;
+  if (wg == kConsumers) {
+    if (t < 32) produce<Cfg>(plan, tma, cta, t);
+  } else {
+    consume<Cfg>(plan, params, cta, wg, t);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without WGMMA: fail loudly rather than leave the output unwritten
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Host launcher for one (DI, HI) variant.
+// ---------------------------------------------------------------------------
+template <class Cfg>
+LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const char** detail) {
+  if (p.batch < 1 || p.s_q < 1 || p.topk < 1 || p.h_idx < 1 || p.h_idx > Cfg::HT || p.d_idx != Cfg::DI ||
+      p.s_kv < 0 || p.k_stride < 1) {
+    *detail = "empty or invalid problem (B, S, topk >= 1, 1 <= HI <= the variant's heads): nothing to launch";
+    return LaunchStatus::kInvalidProblem;
+  }
+  TmaParams tma{};
+  if (LaunchStatus s = encode_head_tile_map(&tma.q, p.index_q, Cfg::DI, p.h_idx, p.s_q, p.batch, Cfg::HT, detail,
+                                            kRows);
+      s != LaunchStatus::kOk)
+    return s;
+  if (p.s_kv > 0) {  // N = 0: every row is all -1 and no key is read
+    const uint64_t dims[3] = {uint64_t(Cfg::DI), uint64_t(p.s_kv), uint64_t(p.batch)};
+    const uint64_t strides[2] = {uint64_t(Cfg::DI) * 2, uint64_t(Cfg::DI) * 2 * uint64_t(p.s_kv)};
+    const uint32_t box[3] = {uint32_t(kDimTile), uint32_t(kBlockKeys), 1u};
+    const uint32_t elem_strides[3] = {1, 1, 1};
+    const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+        &tma.k, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(p.index_k), dims, strides, box, elem_strides,
+        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+      *detail = "cuTensorMapEncodeTiled failed for the index_k map";
+      return LaunchStatus::kTensorMapError;
+    }
+  }
+  const int64_t grid = int64_t(p.batch) * ((int64_t(p.s_q) + 1) / 2);
+  return launch_kernel(&indexer_topk_kernel<Cfg>, grid, kThreads, Cfg::kSmemBytes, stream, detail, p, tma);
+}
+
+}  // namespace indexer_topk
+}  // namespace attn_dist
+
+// Explicit instantiation, one variant per translation unit: CMake generates
+// one such unit per entry of jax_attn_dist/ops/indexer_topk/variants.py.
+#define INDEXER_TOPK_INSTANTIATE(DI, HI)                                                                   \
+  template attn_dist::LaunchStatus                                                                         \
+  attn_dist::indexer_topk::run_variant<attn_dist::indexer_topk::Config<DI, HI>>(                          \
+      const attn_dist::IndexerTopkParams&, cudaStream_t, const char**);

@@ -1,0 +1,38 @@
+// Picks the compiled (DI, HI) variant of the indexer_topk kernel: the table is
+// indexer_topk/variants.h (from variants.py); each variant is instantiated in
+// its own generated translation unit.
+#include <string>
+
+#include "params.h"
+#include "variants.h"
+
+namespace attn_dist {
+namespace indexer_topk {
+
+// config.h and kernel.cuh define these; the launcher needs only their names.
+template <int DI, int HT>
+struct Config;
+template <class Cfg>
+LaunchStatus run_variant(const IndexerTopkParams& params, cudaStream_t stream, const char** detail);
+
+}  // namespace indexer_topk
+
+LaunchStatus run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, const char** detail) {
+  if (!kIndexerTopkHeadDims.contains(p.d_idx)) {
+    *detail = KeepMessage("the indexer head dim DI must be " + OrList(kIndexerTopkHeadDims));
+    return LaunchStatus::kUnsupportedDim;
+  }
+  const int chosen = IndexerTopkVariantFor(p.d_idx, p.h_idx);
+  if (chosen >= 0) {
+    const IndexerTopkVariant& v = kIndexerTopkVariants[chosen];
+#define INDEXER_TOPK_VARIANT(DI, HI) \
+  if (v.di == DI && v.hi == HI) return indexer_topk::run_variant<indexer_topk::Config<DI, HI>>(p, stream, detail);
+#include "indexer_topk_variants.inc"
+#undef INDEXER_TOPK_VARIANT
+  }
+  *detail = KeepMessage("the indexer_topk kernel takes at most " + std::to_string(IndexerTopkMaxHeads(p.d_idx)) +
+                        " heads at DI = " + std::to_string(p.d_idx));
+  return LaunchStatus::kUnsupportedDim;
+}
+
+}  // namespace attn_dist

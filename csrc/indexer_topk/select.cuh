@@ -1,0 +1,189 @@
+// The selection steps of the indexer_topk kernel: one consumer warpgroup
+// (128 threads) selects one query row's keys from their logits in shared
+// memory (docs/KERNELS.md, "indexer_topk: selection").
+//
+// A logit is compared as its order key (order_key): a uint32 whose unsigned
+// order is the float order. The cut is found by radix rounds over those keys:
+// a histogram of the next kHistBits unknown bits of the keys that match the
+// known prefix, then the bin where the count from the top reaches the number
+// still needed. After the rounds either every key that matches the prefix is
+// taken (need == count: take order key >= prefix) or the prefix is the exact
+// cut value T (take > T, then the first `need` keys equal to T in key order,
+// the smaller keys first). The output is written in ascending key order by a
+// prefix count over key order. Counts are integers and every sum has a fixed
+// order, so the result is deterministic.
+#pragma once
+
+#include <cstdint>
+
+#include "config.h"
+
+namespace attn_dist {
+namespace indexer_topk {
+
+// The float order as unsigned order: -inf < ... < -0 == +0 < ... < +inf <
+// NaN (every NaN the same key, above +inf).
+__device__ __forceinline__ uint32_t order_key(float x) {
+  uint32_t b = __float_as_uint(x);
+  if (x != x) return 0xFFFFFFFFu;
+  if (b == 0x80000000u) b = 0u;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Named barrier of consumer warpgroup r (row r's selection).
+__device__ __forceinline__ void row_sync(int r) {
+  asm volatile("bar.sync %0, %1;" ::"r"(kBarRow0 + r), "n"(kWarpgroupThreads) : "memory");
+}
+
+// The radix state of one row, the same in every thread of its warpgroup.
+struct RowSelect {
+  uint32_t prefix;  // the known high bits of the cut (its low `low_bits` bits are 0)
+  int low_bits;     // bits of the cut not yet known, 0 .. 32
+  uint32_t need;    // keys still to take among those that match the prefix (>= 1)
+  uint32_t count;   // keys that match the prefix
+
+  __device__ __forceinline__ bool done() const { return need == count || low_bits == 0; }
+  __device__ __forceinline__ bool matches(uint32_t u) const {
+    return (uint64_t(u) >> low_bits) == (uint64_t(prefix) >> low_bits);
+  }
+  __device__ __forceinline__ int shift() const { return low_bits > kHistBits ? low_bits - kHistBits : 0; }
+};
+
+// Where the output of a row stands after the keys emitted so far.
+struct EmitCursor {
+  uint32_t above = 0;  // keys taken because they are above the cut
+  uint32_t equal = 0;  // keys equal to the cut seen (exact mode)
+  int parity = 0;      // which warp_sums buffer the next tile uses
+};
+
+// A row that needs no selection (span <= topk): its keys, then -1.
+__device__ __forceinline__ void write_all_keys(int32_t* out, uint32_t begin, uint32_t span, int topk, int t) {
+  for (int j = t; j < topk; j += kWarpgroupThreads) out[j] = uint32_t(j) < span ? int32_t(begin + uint32_t(j)) : -1;
+}
+
+// Starts the radix state of a row whose order keys u[a, e) are all resident:
+// the common high bits of their minimum and maximum are known at once.
+template <class Plan>
+__device__ __forceinline__ RowSelect start_resident(Plan& plan, const uint32_t* u, int a, int e, int topk, int r,
+                                                    int t) {
+  uint32_t lo = 0xFFFFFFFFu, hi = 0u;
+  for (int i = a + t; i < e; i += kWarpgroupThreads) {
+    const uint32_t v = u[i];
+    lo = min(lo, v);
+    hi = max(hi, v);
+  }
+  CUTE_UNROLL
+  for (int m = 16; m > 0; m >>= 1) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, m));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, m));
+  }
+  const int warp = t / 32;
+  if (t % 32 == 0) plan.warp_sums[r][0][warp][0] = lo, plan.warp_sums[r][0][warp][1] = hi;
+  row_sync(r);
+  CUTE_UNROLL
+  for (int w = 0; w < 4; ++w) lo = min(lo, plan.warp_sums[r][0][w][0]), hi = max(hi, plan.warp_sums[r][0][w][1]);
+  row_sync(r);  // before warp_sums is written again
+  RowSelect s;
+  s.low_bits = lo == hi ? 0 : 32 - __clz(int(lo ^ hi));
+  s.prefix = uint32_t((uint64_t(lo) >> s.low_bits) << s.low_bits);
+  s.need = uint32_t(topk);
+  s.count = uint32_t(e - a);
+  return s;
+}
+
+// Adds the order keys u[a, e) that match the prefix to the row's histogram
+// of the next digit.
+__device__ __forceinline__ void hist_add(uint32_t* hist, const uint32_t* u, int a, int e, const RowSelect& s, int t) {
+  const int shift = s.shift();
+  const uint32_t mask = (1u << (s.low_bits - shift)) - 1u;
+  for (int i = a + t; i < e; i += kWarpgroupThreads) {
+    const uint32_t v = u[i];
+    if (s.matches(v)) atomicAdd(hist + ((v >> shift) & mask), 1u);
+  }
+}
+
+// After a round's hist_add calls: the digit of the cut, and the histogram
+// cleared for the next round.
+template <class Plan>
+__device__ __forceinline__ void hist_resolve(Plan& plan, RowSelect& s, int r, int t) {
+  uint32_t* hist = plan.hist[r];
+  const int shift = s.shift();
+  const int bins = 1 << (s.low_bits - shift);
+  const int per = bins >= kWarpgroupThreads ? bins / kWarpgroupThreads : 1;
+  row_sync(r);  // every hist_add landed
+  // Thread t owns the bins t * per .. (t + 1) * per - 1 counted from the top.
+  uint32_t own = 0;
+  for (int k = 0; k < per; ++k) {
+    const int j = t * per + k;
+    if (j < bins) own += hist[bins - 1 - j];
+  }
+  const int lane = t % 32, warp = t / 32;
+  uint32_t incl = own;
+  CUTE_UNROLL
+  for (int m = 1; m < 32; m <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, m);
+    if (lane >= m) incl += o;
+  }
+  if (lane == 31) plan.warp_sums[r][0][warp][0] = incl;
+  row_sync(r);
+  uint32_t excl = incl - own;
+  for (int w = 0; w < warp; ++w) excl += plan.warp_sums[r][0][w][0];
+  if (excl < s.need && s.need <= excl + own) {  // exactly one thread: 1 <= need <= count
+    uint32_t above = excl;
+    for (int k = 0; k < per; ++k) {
+      const int bin = bins - 1 - (t * per + k);
+      const uint32_t c = hist[bin];
+      if (above + c >= s.need) {
+        plan.found[r][0] = uint32_t(bin), plan.found[r][1] = above, plan.found[r][2] = c;
+        break;
+      }
+      above += c;
+    }
+  }
+  row_sync(r);
+  s.prefix |= plan.found[r][0] << shift;
+  s.need -= plan.found[r][1];
+  s.count = plan.found[r][2];
+  s.low_bits = shift;
+  for (int j = t; j < bins; j += kWarpgroupThreads) hist[j] = 0u;
+  row_sync(r);  // cleared, and found read, before the next round
+}
+
+// Writes the selected keys among u[a, e) (key = key_base + index) to the
+// row's output, in key order after those of earlier calls (cur).
+template <class Plan>
+__device__ __forceinline__ void emit_keys(Plan& plan, const uint32_t* u, int a, int e, uint32_t key_base,
+                                          const RowSelect& s, EmitCursor& cur, int32_t* out, int topk, int r,
+                                          int t) {
+  const bool take_prefix = s.need == s.count;  // every key >= prefix; else exact cut with ties
+  const int lane = t % 32, warp = t / 32;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  for (int base = a; base < e; base += kWarpgroupThreads) {
+    const int i = base + t;
+    const bool have = i < e;
+    const uint32_t v = have ? u[i] : 0u;
+    const bool above = have && (take_prefix ? v >= s.prefix : v > s.prefix);
+    const bool equal = have && !take_prefix && v == s.prefix;
+    const uint32_t ballot_above = __ballot_sync(0xffffffffu, above);
+    const uint32_t ballot_equal = __ballot_sync(0xffffffffu, equal);
+    uint32_t(&sums)[4][2] = plan.warp_sums[r][cur.parity];
+    if (lane == 0) sums[warp][0] = __popc(ballot_above), sums[warp][1] = __popc(ballot_equal);
+    row_sync(r);
+    uint32_t above_before = cur.above + __popc(ballot_above & lanes_below);
+    uint32_t equal_before = cur.equal + __popc(ballot_equal & lanes_below);
+    CUTE_UNROLL
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t sa = sums[w][0], se = sums[w][1];
+      if (w < warp) above_before += sa, equal_before += se;
+      cur.above += sa, cur.equal += se;
+    }
+    if (above || (equal && equal_before < s.need)) {
+      const uint32_t pos = above_before + min(equal_before, s.need);
+      if (pos < uint32_t(topk)) out[pos] = int32_t(key_base + uint32_t(i));
+    }
+    cur.parity ^= 1;  // the other buffer next: one barrier per tile suffices
+  }
+}
+
+}  // namespace indexer_topk
+}  // namespace attn_dist
