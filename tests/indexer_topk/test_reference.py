@@ -16,7 +16,7 @@ import pytest
 from inputs import seed_of
 from jax_attn_dist import indexer_topk
 from jax_attn_dist.oracle import indexer_topk as topk_oracle
-from jax_attn_dist.ops.indexer_topk.reference import indexer_topk_reference_canonical
+from jax_attn_dist.ops.indexer_topk.reference import indexer_topk_reference_canonical, select_topk
 from jax_attn_dist._core import checks
 from topk_inputs import FP8, check_selection, make_topk_inputs, oracle_logits
 
@@ -139,8 +139,7 @@ def test_q_start_per_batch_element_and_traced():
     assert np.all(got[0, :2] == -1) and np.all(got[2] >= 0)
 
 
-@pytest.mark.parametrize("chunk", [1, 4])
-def test_chunks_equal_one_pass(chunk):
+def test_chunks_equal_one_pass():
     """The chunk loop (last chunk overlapping the previous one) gives the
     one-pass result, per batch element."""
     iq, ik, w, kw = make_topk_inputs(seed_of("topk-chunks"), B=2, S=11, HI=4, DI=16, N=25, q_start_index="batch")
@@ -149,7 +148,8 @@ def test_chunks_equal_one_pass(chunk):
     params = dict(topk=7, scale=kw["scale"], causal=True, k_stride=1)
     ref = lambda c: jax.jit(lambda *a: indexer_topk_reference_canonical(*a, chunk=c, **params))(*args)  # noqa: E731
     whole = ref(11)
-    np.testing.assert_array_equal(ref(chunk), whole)
+    for chunk in (1, 4):
+        np.testing.assert_array_equal(ref(chunk), whole)
     check_selection(whole, iq, ik, w, kw, 7)
 
 
@@ -177,3 +177,20 @@ def test_fp8_uses_the_fp8_values_and_key_scales():
     logits = oracle_logits(iq, ik, w, dict(kw, index_k_scale=ks))
     topk_oracle.assert_topk_acceptable(got2, logits, 10)
     assert (got2[:, 0] == 17).any()
+
+
+def test_selection_on_heavy_ties_signed_zeros_and_nan():
+    """The selection alone, on logits drawn from a few values (+-0.0 among
+    them) with random validity and a NaN: exactly the float64 rule (ties to
+    the smaller key, a NaN logit below every number but still valid)."""
+    rng = np.random.default_rng(seed_of("topk-select"))
+    C, N = 64, 23
+    logits = rng.choice(np.array([-1.0, -0.0, 0.0, 0.5, 2.0], np.float32), (C, N))
+    logits[3, 5] = np.nan
+    valid = rng.random((C, N)) < 0.7
+    valid[3] = True
+    for topk in (1, 4, 23, 30):
+        got = np.asarray(jax.jit(lambda x, v: select_topk(x, v, topk))(logits, valid))
+        for r in range(C):
+            row = np.where(valid[r], np.nan_to_num(logits[r].astype(np.float64), nan=-1e300), -np.inf)
+            np.testing.assert_array_equal(got[r], topk_oracle.exact_topk(row, topk), err_msg=f"row {r} topk {topk}")

@@ -39,23 +39,25 @@ def select_topk(logits, valid, topk: int):
     logits, ties at the cut broken towards the smaller key, in ascending key
     order, then -1 where the row has fewer than ``topk`` valid keys.
 
-    The cut is the ``min(topk, N)``-th largest value (``lax.top_k``'s values
-    do not depend on how it orders ties); every valid key above it is kept,
-    and of the keys equal to it the smallest ones, as many as are missing.
-    -0.0 and +0.0 compare equal. A NaN logit of a valid key ranks below
-    every number (it is still a valid key)."""
+    The cut is the ``k = min(topk, N)``-th largest value (``lax.top_k``'s
+    values do not depend on how it orders ties): every valid key above it is
+    kept, and of the keys equal to it the smallest ones, as many as are
+    missing. One integer ``top_k`` does both: keys above the cut get the
+    codes ``2N - n`` (all above ``N``), keys at it ``N - n`` (the smaller
+    key, the larger code), the others 0; the ``k`` largest codes are the
+    selection, and a last ``top_k`` over them puts the keys in ascending
+    order. -0.0 and +0.0 compare equal. A NaN logit of a valid key ranks
+    below every number (it is still a valid key). Needs ``2N < 2**31``."""
     C, N = logits.shape
     k = min(topk, N)
     x = jnp.where(valid & ~jnp.isnan(logits), logits, -jnp.inf)
     cut = jax.lax.top_k(x, k)[0][:, k - 1:k]                                   # [C, 1]
-    above = valid & (x > cut)
-    at = valid & (x == cut)
-    missing = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
-    keep = above | (at & (jnp.cumsum(at, axis=-1, dtype=jnp.int32) <= missing))
-    # Kept keys in ascending order: the largest codes N - n first (all distinct).
     n = jnp.arange(N, dtype=jnp.int32)
-    code = jax.lax.top_k(jnp.where(keep, jnp.int32(N) - n, 0), k)[0]          # [C, k]
-    out = jnp.where(code > 0, jnp.int32(N) - code, -1)
+    code = jnp.where(valid & (x > cut), 2 * N - n, jnp.where(valid & (x == cut), N - n, 0))
+    code = jax.lax.top_k(code, k)[0]                                            # [C, k]
+    keys = jnp.where(code > N, 2 * N - code, N - code)                         # the kept keys; N where none
+    ordered = jax.lax.top_k(N - keys, k)[0]                                     # ascending keys, N last
+    out = jnp.where(ordered > 0, N - ordered, -1)
     if k < topk:
         out = jnp.concatenate([out, jnp.full((C, topk - k), -1, jnp.int32)], axis=-1)
     return out
