@@ -8,6 +8,10 @@
 #include "attn_dist/variants.h"
 #include "indexer/ffi.h"
 #include "indexer/variants.h"
+#include "indexer_topk/ffi.h"
+#include "indexer_topk/variants.h"
+#include "sparse_mla/ffi.h"
+#include "sparse_mla/variants.h"
 #if JAX_ATTN_DIST_TEST_TARGETS
 #include "testing/ffi.h"
 #endif
@@ -46,6 +50,8 @@ NB_MODULE(_cuda, m) {
     d[kAttnDistFwdTarget] = Capsule(kAttnDistFwd);
     d[kIndexerFwdTarget] = Capsule(kIndexerFwd);
     d[kIndexerBwdTarget] = Capsule(kIndexerBwd);
+    d[kIndexerTopkTarget] = Capsule(kIndexerTopk);
+    d[kSparseMlaFwdTarget] = Capsule(kSparseMlaFwd);
 #if JAX_ATTN_DIST_TEST_TARGETS
     d[kAttnDistFwdIntoTarget] = Capsule(kAttnDistFwdInto);
     d[kIndexerFwdIntoTarget] = Capsule(kIndexerFwdInto);
@@ -62,19 +68,25 @@ NB_MODULE(_cuda, m) {
       "kernel_variants",
       []() {
         nb::dict d;
-        nb::list attn, fwd, bwd;
+        nb::list attn, fwd, bwd, sparse_mla;
         for (const AttnDistVariant& v : kAttnDistVariants) attn.append(nb::make_tuple(v.d, v.head_tile));
         for (const IndexerFwdVariant& v : kIndexerFwdVariants)
           fwd.append(nb::make_tuple(v.di, v.head_tile, v.head_tiles));
         for (const IndexerBwdVariant& v : kIndexerBwdVariants)
           bwd.append(nb::make_tuple(v.di, v.head_tile, v.deterministic));
+        for (const SparseMlaVariant& v : kSparseMlaVariants) sparse_mla.append(nb::make_tuple(v.d, v.head_tile));
         d["attn_dist"] = attn;
         d["indexer_fwd"] = fwd;
+        nb::list topk;
+        for (const IndexerTopkVariant& v : kIndexerTopkVariants) topk.append(nb::make_tuple(v.di, v.hi));
         d["indexer_bwd"] = bwd;
+        d["indexer_topk"] = topk;
+        d["sparse_mla"] = sparse_mla;
         return d;
       },
       "The compiled kernel variants, in the order of the ops' variants.py lists");
   m.def("attn_dist_head_dims", []() { return Ints(kAttnDistHeadDims); });
+  m.def("sparse_mla_head_dims", []() { return Ints(kSparseMlaHeadDims); });
   m.def("indexer_head_dims", []() { return Ints(kIndexerFwdHeadDims); });
   m.def("indexer_max_heads", []() { return IndexerFwdMaxHeads(); });
   m.def("indexer_bwd_max_heads", []() { return IndexerBwdMaxHeads(); });

@@ -66,6 +66,17 @@ struct GatherRing {
         cutlass::arch::ClusterBarrier::init(&ring.empty[c][i], kEmptyArrivals);
       }
   }
+
+  // A ring whose stages several warpgroups read (sparse_mla): stage i of
+  // ring c is released by readers(c, i) warpgroups, kEmptyArrivals each.
+  template <class Readers>
+  static __device__ __forceinline__ void init(Barriers& ring, Readers readers) {
+    for (int c = 0; c < kConsumers; ++c)
+      for (int i = 0; i < kStages; ++i) {
+        cutlass::arch::ClusterBarrier::init(&ring.full[c][i], kFullArrivals);
+        cutlass::arch::ClusterBarrier::init(&ring.empty[c][i], kEmptyArrivals * readers(c, i));
+      }
+  }
 };
 
 // The WGMMA both kernels run on a ring stage: acc[key, head] (+)= K[key, d] .

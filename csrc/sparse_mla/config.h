@@ -1,0 +1,152 @@
+// Tile constants, shared-memory plan, barriers and TMA parameters of the SM90
+// sparse MLA forward kernel.
+//
+// One CTA per (batch, query token, 64-head tile); 3 warpgroups. Heads are
+// the M of every WGMMA, so that the score accumulator S[head, key] is, after
+// the softmax, already the register A operand of the P.V product.
+//   Key blocks of 64 top-k slots alternate between two buffers (block
+//   parity); each buffer is one ring of the shared gather pipeline
+//   (common/gather.cuh), exactly one block deep (a stage per 64-dim tile),
+//   so each dim tile is released on its own as soon as its readers are done.
+//   WG0 computes S = Q.K^T of the even blocks, WG1 of the odd ones; each
+//   consumer owns half of the output dims (WG0: 0..255, WG1: 256..511) and
+//   multiplies every block's P into its half, both P tiles from shared
+//   memory. The running row max is exchanged through shared memory once per
+//   block pair, so both halves share one softmax.
+//   WG2 gathers the key rows (64 feeders per buffer) and loads Q by TMA.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda.h>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include "../common/gather.cuh"
+#include "params.h"
+
+namespace attn_dist {
+namespace sparse_mla {
+
+constexpr int kNumConsumers = 2;
+constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;
+constexpr int kCtasPerSm = 1;
+constexpr int kDv = 512;                              // value dims: the latent's first 512
+constexpr int kDvPerConsumer = kDv / kNumConsumers;  // 256: the N of the P.V WGMMA
+constexpr int kVTilesPerConsumer = kDvPerConsumer / kDimTile;
+
+// setmaxnreg budgets within the launch allocation (65536 / 384 = 170 a
+// thread): the consumers hold a 64x256 f32 output half (128 registers) and
+// a 64x64 score block (32).
+constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+constexpr int kConsumerRegs = 216;
+constexpr int kProducerRegs = 72;
+static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kWarpgroupThreads <=
+                  kLaunchRegs * kThreads,
+              "setmaxnreg budgets exceed the CTA's register allocation");
+
+// Named barriers between the two consumers (ids above CUTLASS's reserved ones).
+enum Barrier : uint32_t {
+  kMaxOfEvenReady = 0,  // WG0 published the row max after its block
+  kMaxOfPairReady = 1,  // WG1 published the row max after the pair
+  kEvenPReady = 2,      // WG0 wrote its (rescaled) P to shared memory
+  kOddPReady = 3,       // WG1 wrote its P to shared memory
+  kRowSumsReady = 4,    // both published their row sums; Q is no longer read
+  kOutputStaged = 5,    // the output tile is in shared memory
+  kEvenPStored = 6,     // WG0 (alone): all its threads wrote P
+  kOddPStored = 7,      // WG1 (alone): all its threads wrote P
+};
+constexpr uint32_t kPairThreads = kNumConsumers * kWarpgroupThreads;
+
+// Shared-memory P tiles (64 heads x 64 keys), where they do not share a key buffer.
+template <int N>
+struct PTiles {
+  alignas(kSmemAlign) bf16 tile[N][kBlockTopk * kDimTile];
+};
+template <>
+struct PTiles<0> {};
+
+// D: head dim of q and kv (512 or 576). HT: heads per CTA (64).
+template <int D_, int HT_>
+struct FwdConfig {
+  static constexpr int D = D_;
+  static constexpr int HT = HT_;
+  static_assert(HT == 64, "heads are the M of the WGMMAs: 64 per CTA");
+  static_assert(D % kDimTile == 0 && D >= kDv, "D must be a multiple of 64 and hold the value dims");
+  static constexpr int kDimTiles = D / kDimTile;
+  static __host__ __device__ constexpr int num_head_tiles(int heads) { return (heads + HT - 1) / HT; }
+
+  // With a rope part (D = 576) each block's P lives in its buffer's last dim
+  // tile, which only the block's own S = Q.K^T reads, and before P exists; at
+  // D = 512 it has a tile of its own.
+  static constexpr bool kPInRopeTile = kDimTiles > kDv / kDimTile;
+  static constexpr int kPTiles = kPInRopeTile ? 0 : kNumConsumers;
+
+  // One ring per block parity, one block deep.
+  using Ring = GatherRing<kDimTiles, kNumConsumers, kWarpgroupThreads>;
+
+  // Q: 64 heads x D, K-major with the 128-byte swizzle; mode 2 picks the
+  // 64-dim tile. Written by TMA (SWIZZLE_128B).
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+      cute::Shape<cute::Int<HT>, cute::Int<kDimTile>, cute::Int<kDimTiles>>{}));
+  // P: 64 heads x 64 keys, the same layout as one stage (an A operand).
+  using SmemLayoutP = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+                                                   cute::Shape<cute::Int<HT>, cute::Int<kBlockTopk>>{}));
+  // A consumer's value tiles: 4 consecutive stages (64 keys x 256 dims,
+  // K-major) seen as the (dims, keys) B operand of P.V, dims contiguous.
+  using SmemLayoutKHalf = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+      cute::Shape<cute::Int<kBlockTopk>, cute::Int<kDvPerConsumer>>{}, cute::Step<cute::_1, cute::_2>{}));
+  using SmemLayoutV = decltype(cute::composition(
+      SmemLayoutKHalf{},
+      cute::Layout<cute::Shape<cute::Int<kDvPerConsumer>, cute::Int<kBlockTopk>>,
+                   cute::Stride<cute::Int<kBlockTopk>, cute::_1>>{}));
+
+  // The output tile staged for coalesced stores in the two key buffers after
+  // the last block: row-major, rows padded by 16 bytes so that a quad's rows
+  // fall on distinct banks.
+  static constexpr int kStagedRowElems = kDv + 8;
+  static_assert(HT * kStagedRowElems <= kNumConsumers * int(cute::cosize_v<typename Ring::SmemLayout>),
+                "the output tile must fit in the key buffers");
+
+  using MmaQK = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
+                                       cute::Shape<cute::Int<HT>, cute::Int<kBlockTopk>, cute::Int<kDimTile>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+  using MmaPV = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
+                                       cute::Shape<cute::Int<HT>, cute::Int<kDvPerConsumer>, cute::Int<kBlockTopk>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+
+  struct SharedMemoryPlan {
+    alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
+    alignas(kSmemAlign) bf16 kv[kNumConsumers][Ring::kRingElems];
+    PTiles<kPTiles> p;
+    typename Ring::Barriers ring;
+    uint64_t q_ready[kDimTiles];  // TMA of Q's dim tile landed
+    float max_of_even[HT];        // row max after the even block of a pair (WG0 -> WG1)
+    float max_of_pair[HT];        // row max after the pair (WG1 -> WG0)
+    float row_sum[kNumConsumers][HT];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment
+  static_assert(kSmemBytes <= kMaxDynamicSmem, "shared-memory plan too large");
+
+  // Warpgroups that read each stage (release it): buffer 0 is the even
+  // blocks' (WG0 computes S), buffer 1 the odd ones' (WG1). Dim tiles
+  // 0..3 are WG0's value half, 4..7 WG1's; the rope tile holds P for the other.
+  static __device__ __forceinline__ int stage_readers(int buffer, int dim_tile) {
+    if (dim_tile >= kDv / kDimTile) return 2;  // S's own warpgroup, and the other reads P there
+    const int value_owner = dim_tile / kVTilesPerConsumer;
+    return value_owner == buffer ? 1 : 2;
+  }
+};
+
+// Passed by value as a __grid_constant__ kernel parameter.
+struct TmaParams {
+  CUtensorMap q;  // 4-D (D, H, S, B) bf16, box (64, 64, 1, 1), SWIZZLE_128B
+};
+
+}  // namespace sparse_mla
+}  // namespace attn_dist

@@ -1,0 +1,102 @@
+// The sparse_mla op's XLA FFI handler: re-validate what Python checked at
+// trace time, then launch. Errors are returned as ffi::Error, never aborts;
+// no host synchronisation and no allocation, so XLA may capture the calls in
+// CUDA graphs.
+#include "ffi.h"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "../common/ffi_checks.h"
+#include "params.h"
+#include "variants.h"
+
+namespace attn_dist {
+
+namespace {
+
+constexpr int64_t kKernelDv = 512;
+
+ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
+                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start, OptionalRanges row_ranges,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                            float sm_scale, bool causal, int32_t k_stride, bool lse_base_e) {
+  const Checker check{kSparseMlaFwdTarget};
+  const auto qd = q.dimensions();
+  if (qd.size() != 4) return check.Invalid("q must be rank 4 [B, S, H, D], got " + Shape(qd));
+  const int64_t B = qd[0], S = qd[1], H = qd[2], D = qd[3];
+  const auto kd = kv.dimensions();
+  if (kd.size() != 4) return check.Invalid("kv must be rank 4 [B, N, 1, D], got " + Shape(kd));
+  const int64_t N = kd[1];
+  const auto id = indices.dimensions();
+  if (id.size() != 4) return check.Invalid("indices must be rank 4 [B, S, 1, T], got " + Shape(id));
+  const int64_t T = id[3];
+
+  if (!OneOf(D, kSparseMlaHeadDims))
+    return check.Invalid("the head dim D must be " + OrList(kSparseMlaHeadDims) + ", got " + std::to_string(D));
+  if (auto e = check.Shape("kv", kd, {B, N, 1, D}, "[B, N, 1, D]"); e.failure()) return e;
+  if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
+  if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
+  const int32_t* ranges = nullptr;
+  if (auto e = CheckRowRanges(check, row_ranges, B, S, &ranges); e.failure()) return e;
+  if (auto e = check.Shape("out", out->dimensions(), {B, S, H, kKernelDv}, "[B, S, H, d_v = 512]"); e.failure())
+    return e;
+  if (auto e = check.Shape("lse", lse->dimensions(), {B, S, H}, "[B, S, H]"); e.failure()) return e;
+  if (!(std::isfinite(sm_scale) && sm_scale > 0.f))
+    return check.Invalid("sm_scale must be finite and > 0, got " + std::to_string(sm_scale));
+  if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
+
+  if (lse->element_count() == 0) return ffi::Error::Success();  // nothing to write, no launch
+
+  const int64_t head_tiles = (H + 63) / 64;
+  if (S > kIntMax || N > kIntMax || T > kIntMax || H > kIntMax || B * S * head_tiles > kIntMax)
+    return check.Invalid("problem too large: B * S * ceil(H / 64), S, N, H and T must be < 2^31");
+  if (!Aligned16(q.untyped_data()) || !Aligned16(kv.untyped_data()) || !Aligned16(out->untyped_data()))
+    return check.Invalid("q, kv and out must be 16-byte aligned");
+
+  SparseMlaFwdParams p{};
+  p.batch = int(B);
+  p.s_q = int(S);
+  p.s_kv = int(N);
+  p.h_q = int(H);
+  p.d_qk = int(D);
+  p.d_v = int(kKernelDv);
+  p.topk = int(T);
+  p.causal = causal;
+  p.lse_base_e = lse_base_e;
+  p.k_stride = k_stride;
+  p.scale_log2 = float(double(sm_scale) * 1.4426950408889634);  // log2(e)
+  p.q = q.untyped_data();
+  p.kv = kv.untyped_data();
+  p.indices = indices.typed_data();
+  p.q_start = q_start.typed_data();
+  p.row_ranges = ranges;
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+
+  const char* detail = "";
+  return check.Launched(run_sparse_mla_fwd(p, stream, &detail), detail);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaFwd, SparseMlaFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+                                  .OptionalArg<ffi::Buffer<ffi::S32>>()  // row_ranges
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Attr<float>("sm_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("k_stride")
+                                  .Attr<bool>("lse_base_e"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace attn_dist

@@ -1,0 +1,484 @@
+// The SM90 sparse MLA forward kernel and its host launcher (the warp roles
+// and the shared-memory plan: config.h).
+//
+// Per block pair (even block in buffer 0, odd block in buffer 1):
+//   WG0: S0 = Q.K0^T; m0 = max(m, row max of S0); publish m0.
+//   WG1: S1 = Q.K1^T; m1 = max(m0, row max of S1); publish m1 (the pair's max).
+//   Both: rescale O and the row sums from m to m1; P = exp2(S - m1) as bf16
+//        into the block's shared P tile;
+//   WG0: O[:, 0:256] += P0 . V0 + P1 . V1;  WG1: O[:, 256:512] += P1 . V1 + P0 . V0.
+// Both end with the same row max; their row sums add up to the softmax
+// denominator, and each stores its half of the output.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "../common/gather.cuh"
+#include "../common/host.h"
+#include "../common/slot_validity.cuh"
+#include "config.h"
+
+namespace attn_dist {
+namespace sparse_mla {
+
+using namespace cute;
+
+// Where CTA `linear` of the grid works: head tiles fastest (the CTAs that
+// gather the same key rows run together), then query tokens, then batch.
+struct CtaProblem {
+  int batch, s, head_tile;
+  RowSlots slots;
+};
+
+template <class Cfg>
+__device__ __forceinline__ CtaProblem locate_cta(const SparseMlaFwdParams& p) {
+  const int num_head_tiles = Cfg::num_head_tiles(p.h_q);
+  int linear = blockIdx.x;
+  CtaProblem c;
+  c.head_tile = linear % num_head_tiles;
+  linear /= num_head_tiles;
+  c.s = linear % p.s_q;
+  c.batch = linear / p.s_q;
+  c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride,
+                           p.row_ranges);
+  return c;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// exp2(a - b) for a row max b that may be -inf (no valid slot yet): then
+// every term is 0 and any factor will do.
+__device__ __forceinline__ float exp2_diff(float a, float b) { return b == -INFINITY ? 1.f : fast_exp2(a - b); }
+
+// ---------------------------------------------------------------------------
+// Producer steps (WG2).
+// ---------------------------------------------------------------------------
+template <class Cfg>
+__device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
+                                              const CtaProblem& c) {
+  constexpr uint32_t kTileBytes = Cfg::HT * kDimTile * sizeof(bf16);
+  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.q_ready[dt], kTileBytes);
+    // Rows past H are zero-filled by TMA; Q is read once, so evict it first.
+    SM90_TMA_LOAD_4D::copy(&tma.q, &plan.q_ready[dt], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                           plan.q + dt * Cfg::HT * kDimTile, dt * kDimTile, c.head_tile * Cfg::HT, c.s, c.batch);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Consumer steps (WG0, WG1). Accumulator layout (64 x N, f32): thread
+// (warp w, lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1);
+// acc(4j + 2*rh + e) is row 16w + l/4 + 8rh, column 8j + 2(l%4) + e.
+// ---------------------------------------------------------------------------
+
+// The slot indices of a block that this lane tests (slots lane and lane + 32),
+// loaded before the scores' WGMMAs so that the loads overlap them.
+struct BlockSlots {
+  int32_t lo, hi;
+};
+__device__ __forceinline__ BlockSlots load_block_slots(const RowSlots& slots, int block, int lane) {
+  const int t = block * kBlockTopk + lane;
+  return {slots.load(t), slots.load(t + 32)};
+}
+// Bit c: slot 64 * block + c is valid (the shared rule, common/slot_validity.cuh).
+__device__ __forceinline__ uint64_t valid_slot_mask(const RowSlots& slots, BlockSlots b) {
+  const uint32_t lo = __ballot_sync(0xffffffffu, slots.valid(b.lo));
+  const uint32_t hi = __ballot_sync(0xffffffffu, slots.valid(b.hi));
+  return uint64_t(hi) << 32 | lo;
+}
+
+template <class Cfg>
+__device__ __forceinline__ bf16* p_tile(typename Cfg::SharedMemoryPlan& plan, int buffer) {
+  if constexpr (Cfg::kPInRopeTile) return plan.kv[buffer] + (Cfg::kDimTiles - 1) * kBlockTopk * kDimTile;
+  else return plan.p.tile[buffer];
+}
+
+// Stage `dim_tile` of `buffer` has been read by this warpgroup.
+template <class Cfg>
+__device__ __forceinline__ void release(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
+                                        int num_tiles, int lane) {
+  CUTE_UNROLL
+  for (int i = 0; i < num_tiles; ++i) release_stage<typename Cfg::Ring>(plan.ring, buffer, first_tile + i, lane);
+}
+
+template <class Cfg>
+__device__ __forceinline__ void wait_landed(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
+                                            int num_tiles, uint32_t phase) {
+  for (int i = 0; i < num_tiles; ++i) cutlass::arch::ClusterBarrier::wait(&plan.ring.full[buffer][first_tile + i], phase);
+}
+
+// accS = Q . K^T over all dim tiles of `buffer` (issued, not waited for).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, int buffer, uint32_t phase,
+                                             bool first_block, Acc& accS, int thread) {
+  typename Cfg::MmaQK mma;
+  auto thr = mma.get_slice(thread);
+  Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Cfg::SmemLayoutQ{});                // (64, 64, D/64)
+  Tensor sK = make_tensor(make_smem_ptr(plan.kv[buffer]), typename Cfg::Ring::SmemLayout{});  // (64, 64, D/64)
+  Tensor tQ = thr.partition_fragment_A(sQ);
+  Tensor tK = thr.partition_fragment_B(sK);
+  warpgroup_fence_operand(accS);
+  CUTE_UNROLL
+  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
+    if (first_block) cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready[dt], 0);
+    cutlass::arch::ClusterBarrier::wait(&plan.ring.full[buffer][dt], phase);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tQ); ++kb) {
+      mma.accumulate_ = dt == 0 && kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+      cute::gemm(mma, tQ(_, _, kb, dt), tK(_, _, kb, dt), accS);
+    }
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(accS);
+}
+
+// Invalid slots' scores become -inf, the others are scaled to base 2; returns
+// the block's max of this thread's two rows (quad-reduced).
+template <class Acc>
+__device__ __forceinline__ void mask_scale_row_max(Acc& accS, uint64_t valid, float scale_log2,
+                                                   float (&row_max)[2], int lane) {
+  row_max[0] = row_max[1] = -INFINITY;
+  CUTE_UNROLL
+  for (int j = 0; j < kBlockTopk / 8; ++j)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh)
+      CUTE_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * (lane % 4) + e;
+        const int i = 4 * j + 2 * rh + e;
+        const float x = (valid >> col) & 1 ? accS(i) * scale_log2 : -INFINITY;
+        accS(i) = x;
+        row_max[rh] = fmaxf(row_max[rh], x);
+      }
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    row_max[rh] = fmaxf(row_max[rh], __shfl_xor_sync(0xffffffffu, row_max[rh], 1));
+    row_max[rh] = fmaxf(row_max[rh], __shfl_xor_sync(0xffffffffu, row_max[rh], 2));
+  }
+}
+
+// P = exp2(S - max) in place, added to this thread's share of the row sums.
+template <class Acc>
+__device__ __forceinline__ void exponentiate(Acc& accS, const float (&row_max)[2], float (&row_sum)[2]) {
+  float offset[2];
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) offset[rh] = row_max[rh] == -INFINITY ? 0.f : -row_max[rh];
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); ++i) {
+    const int rh = (i >> 1) & 1;
+    accS(i) = fast_exp2(accS(i) + offset[rh]);
+    row_sum[rh] += accS(i);
+  }
+}
+
+template <class Acc>
+__device__ __forceinline__ void rescale_rows(Acc& acc, const float (&factor)[2]) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) acc(i) *= factor[(i >> 1) & 1];
+}
+
+// O[:, half] += P . V over one block: P (64 heads x 64 keys) from its shared
+// tile, V from this consumer's four value tiles of `buffer`.
+template <class Cfg, class AccO>
+__device__ __forceinline__ void issue_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int consumer,
+                                         AccO& accO, int thread) {
+  typename Cfg::MmaPV mma;
+  auto thr = mma.get_slice(thread);
+  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
+  Tensor sV = make_tensor(make_smem_ptr(plan.kv[buffer] + consumer * kVTilesPerConsumer * kBlockTopk * kDimTile),
+                          typename Cfg::SmemLayoutV{});
+  Tensor tP = thr.partition_fragment_A(sP);
+  Tensor tV = thr.partition_fragment_B(sV);
+  warpgroup_fence_operand(accO);
+  warpgroup_arrive();
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma, tP(_, _, kb), tV(_, _, kb), accO);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(accO);
+}
+
+// What a consumer ends with: its output half, row max and row-sum share.
+template <class Cfg>
+struct ConsumerState {
+  decltype(partition_fragment_C(typename Cfg::MmaPV{}, Shape<Int<Cfg::HT>, Int<kDvPerConsumer>>{})) accO;
+  float row_max[2] = {-INFINITY, -INFINITY};  // base 2; -inf while no valid slot
+  float row_sum[2] = {0.f, 0.f};
+};
+
+using cutlass::arch::NamedBarrier;
+
+// The pair's row max is known: rescale what came before to it, turn this
+// block's scores into P (relative to it) and publish P for both consumers.
+template <class Cfg, class Acc>
+__device__ __forceinline__ void publish_p(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
+                                          Acc& accS, const float (&pair_max)[2], int buffer, uint32_t stored_barrier,
+                                          uint32_t ready_barrier, int warp, int lane) {
+  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
+  exponentiate(accS, pair_max, st.row_sum);
+  const int row0 = 16 * warp + lane / 4;
+  CUTE_UNROLL
+  for (int j = 0; j < kBlockTopk / 8; ++j)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const int i = 4 * j + 2 * rh;
+      *reinterpret_cast<__nv_bfloat162*>(&sP(row0 + 8 * rh, 8 * j + 2 * (lane % 4))) =
+          __floats2bfloat162_rn(accS(i), accS(i + 1));
+    }
+  cutlass::arch::fence_view_async_shared();  // WGMMAs read P through the async proxy
+  NamedBarrier::arrive(kPairThreads, ready_barrier);          // for the other consumer
+  NamedBarrier::sync(kWarpgroupThreads, stored_barrier);     // for this one's own WGMMA
+}
+
+template <class Cfg>
+__device__ __forceinline__ void rescale_to(ConsumerState<Cfg>& st, const float (&pair_max)[2]) {
+  float factor[2];
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    factor[rh] = exp2_diff(st.row_max[rh], pair_max[rh]);
+    st.row_sum[rh] *= factor[rh];
+    st.row_max[rh] = pair_max[rh];
+  }
+  rescale_rows(st.accO, factor);
+}
+
+// WG0: the even blocks' scores, output dims 0..255.
+template <class Cfg>
+__device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& plan, const SparseMlaFwdParams& p,
+                                             const CtaProblem& c, ConsumerState<Cfg>& st, int thread) {
+  constexpr int kValueTiles = kDv / kDimTile;
+  const int warp = thread / 32, lane = thread % 32;
+  const int row0 = 16 * warp + lane / 4;
+  Tensor accS = partition_fragment_C(typename Cfg::MmaQK{}, Shape<Int<Cfg::HT>, Int<kBlockTopk>>{});
+  const int num_blocks = c.slots.num_blocks();
+  CUTE_NO_UNROLL
+  for (int block = 0; block < num_blocks; block += 2) {
+    const uint32_t phase = (block / 2) & 1;
+    const bool has_odd = block + 1 < num_blocks;
+    const BlockSlots slots = load_block_slots(c.slots, block, lane);
+    issue_scores<Cfg>(plan, 0, phase, block == 0, accS, thread);
+    warpgroup_wait<0>();
+    release<Cfg>(plan, 0, kVTilesPerConsumer, kValueTiles - kVTilesPerConsumer, lane);  // WG1's value tiles
+
+    float even_max[2];
+    mask_scale_row_max(accS, valid_slot_mask(c.slots, slots), p.scale_log2, even_max, lane);
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      even_max[rh] = fmaxf(st.row_max[rh], even_max[rh]);
+      if (lane % 4 == 0) plan.max_of_even[row0 + 8 * rh] = even_max[rh];
+    }
+    NamedBarrier::arrive(kPairThreads, kMaxOfEvenReady);
+    NamedBarrier::sync(kPairThreads, kMaxOfPairReady);
+    float pair_max[2];
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) pair_max[rh] = plan.max_of_pair[row0 + 8 * rh];
+    rescale_to(st, pair_max);
+    publish_p(plan, st, accS, pair_max, 0, kEvenPStored, kEvenPReady, warp, lane);
+    issue_pv<Cfg>(plan, 0, 0, st.accO, thread);
+    if (has_odd) {
+      NamedBarrier::sync(kPairThreads, kOddPReady);
+      wait_landed<Cfg>(plan, 1, 0, kVTilesPerConsumer, phase);
+      issue_pv<Cfg>(plan, 1, 0, st.accO, thread);
+    }
+    warpgroup_wait<0>();
+    release<Cfg>(plan, 0, 0, kVTilesPerConsumer, lane);
+    if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);  // P0
+    if (has_odd) {
+      release<Cfg>(plan, 1, 0, kVTilesPerConsumer, lane);
+      if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // P1
+    }
+  }
+}
+
+// WG1: the odd blocks' scores, output dims 256..511.
+template <class Cfg>
+__device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan, const SparseMlaFwdParams& p,
+                                            const CtaProblem& c, ConsumerState<Cfg>& st, int thread) {
+  const int warp = thread / 32, lane = thread % 32;
+  const int row0 = 16 * warp + lane / 4;
+  Tensor accS = partition_fragment_C(typename Cfg::MmaQK{}, Shape<Int<Cfg::HT>, Int<kBlockTopk>>{});
+  const int num_blocks = c.slots.num_blocks();
+  CUTE_NO_UNROLL
+  for (int block = 0; block < num_blocks; block += 2) {
+    const uint32_t phase = (block / 2) & 1;
+    const bool has_odd = block + 1 < num_blocks;
+    float odd_max[2] = {-INFINITY, -INFINITY};
+    if (has_odd) {
+      const BlockSlots slots = load_block_slots(c.slots, block + 1, lane);
+      // The value tiles of WG1's half first: its own P.V frees them first.
+      issue_scores<Cfg>(plan, 1, phase, block == 0, accS, thread);
+      warpgroup_wait<0>();
+      release<Cfg>(plan, 1, 0, kVTilesPerConsumer, lane);  // WG0's value tiles
+      mask_scale_row_max(accS, valid_slot_mask(c.slots, slots), p.scale_log2, odd_max, lane);
+    }
+    NamedBarrier::sync(kPairThreads, kMaxOfEvenReady);
+    float pair_max[2];
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      pair_max[rh] = fmaxf(plan.max_of_even[row0 + 8 * rh], odd_max[rh]);
+      if (lane % 4 == 0) plan.max_of_pair[row0 + 8 * rh] = pair_max[rh];
+    }
+    NamedBarrier::arrive(kPairThreads, kMaxOfPairReady);
+    rescale_to(st, pair_max);
+    if (has_odd) {
+      publish_p(plan, st, accS, pair_max, 1, kOddPStored, kOddPReady, warp, lane);
+      issue_pv<Cfg>(plan, 1, 1, st.accO, thread);
+    }
+    NamedBarrier::sync(kPairThreads, kEvenPReady);
+    wait_landed<Cfg>(plan, 0, kVTilesPerConsumer, kVTilesPerConsumer, phase);
+    issue_pv<Cfg>(plan, 0, 1, st.accO, thread);
+    warpgroup_wait<0>();
+    release<Cfg>(plan, 0, kVTilesPerConsumer, kVTilesPerConsumer, lane);
+    if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);
+    if (has_odd) {
+      release<Cfg>(plan, 1, kVTilesPerConsumer, kVTilesPerConsumer, lane);
+      if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // P1
+    }
+  }
+}
+
+// Both consumers: the softmax denominator from both row-sum shares, lse
+// (WG0), and this half of out = O / l through a tile staged in the key
+// buffers (every gather has landed and been read),
+// stored with coalesced 16-byte writes. Rows with no valid slot: out = 0, lse = -inf.
+template <class Cfg>
+__device__ __forceinline__ void finish(typename Cfg::SharedMemoryPlan& plan, const SparseMlaFwdParams& p,
+                                       const CtaProblem& c, ConsumerState<Cfg>& st, int consumer, int thread) {
+  const int warp = thread / 32, lane = thread % 32;
+  const int row0 = 16 * warp + lane / 4;
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    st.row_sum[rh] += __shfl_xor_sync(0xffffffffu, st.row_sum[rh], 1);
+    st.row_sum[rh] += __shfl_xor_sync(0xffffffffu, st.row_sum[rh], 2);
+    if (lane % 4 == 0) plan.row_sum[consumer][row0 + 8 * rh] = st.row_sum[rh];
+  }
+  // After this barrier no WGMMA reads the key buffers (each consumer waited for its last).
+  NamedBarrier::sync(kPairThreads, kRowSumsReady);
+  const int head0 = c.head_tile * Cfg::HT;
+  const int64_t token = int64_t(c.batch) * p.s_q + c.s;
+  float inv_sum[2];
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    const int row = row0 + 8 * rh;
+    const float sum = plan.row_sum[0][row] + plan.row_sum[1][row];  // the same order in both
+    inv_sum[rh] = sum > 0.f ? 1.f / sum : 0.f;
+    if (consumer == 0 && lane % 4 == 0 && head0 + row < p.h_q) {
+      float lse = sum > 0.f ? st.row_max[rh] + __log2f(sum) : -INFINITY;
+      if (p.lse_base_e) lse *= 0.6931471805599453f;  // ln(2)
+      p.lse[token * p.h_q + head0 + row] = lse;
+    }
+  }
+  bf16* staged = &plan.kv[0][0];
+  CUTE_UNROLL
+  for (int j = 0; j < kDvPerConsumer / 8; ++j)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const int i = 4 * j + 2 * rh;
+      const int col = consumer * kDvPerConsumer + 8 * j + 2 * (lane % 4);
+      *reinterpret_cast<__nv_bfloat162*>(staged + (row0 + 8 * rh) * Cfg::kStagedRowElems + col) =
+          __floats2bfloat162_rn(st.accO(i) * inv_sum[rh], st.accO(i + 1) * inv_sum[rh]);
+    }
+  NamedBarrier::sync(kPairThreads, kOutputStaged);
+  constexpr int kChunksPerRow = kDv / 8;  // 16 bytes each
+  const int rows = min(Cfg::HT, p.h_q - head0);
+  bf16* out = static_cast<bf16*>(p.out) + (token * p.h_q + head0) * int64_t(kDv);
+  const int pair_thread = consumer * kWarpgroupThreads + thread;
+  for (int chunk = pair_thread; chunk < rows * kChunksPerRow; chunk += int(kPairThreads)) {
+    const int row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+    *reinterpret_cast<uint4*>(out + row * kDv + col) =
+        *reinterpret_cast<const uint4*>(staged + row * Cfg::kStagedRowElems + col);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The kernel.
+// ---------------------------------------------------------------------------
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    sparse_mla_fwd_kernel(const __grid_constant__ SparseMlaFwdParams params, const __grid_constant__ TmaParams tma) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Plan = typename Cfg::SharedMemoryPlan;
+  extern __shared__ char smem_raw[];
+  Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
+                                        ~uintptr_t(kSmemAlign - 1));
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
+  const CtaProblem cta = locate_cta<Cfg>(params);
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Cfg::kDimTiles; ++i) cutlass::arch::ClusterTransactionBarrier::init(&plan.q_ready[i], 1);
+    Cfg::Ring::init(plan.ring, [](int buffer, int stage) { return Cfg::stage_readers(buffer, stage); });
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == kNumConsumers) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    // A row with no live block needs no Q: a CTA must not exit with its TMA in flight.
+    if (thread_in_wg == 0 && cta.slots.num_blocks() > 0) {
+      cute::prefetch_tma_descriptor(&tma.q);
+      load_q_by_tma<Cfg>(plan, tma, cta);
+    }
+    constexpr int kFeeders = Cfg::Ring::kFeeders;
+    const int buffer = thread_in_wg / kFeeders;
+    const bf16* keys = static_cast<const bf16*>(params.kv) + int64_t(cta.batch) * params.s_kv * Cfg::D;
+    gather_key_blocks<typename Cfg::Ring, Cfg::D>(plan.kv[buffer], plan.ring, cta.slots, keys, buffer,
+                                                  thread_in_wg % kFeeders);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    ConsumerState<Cfg> st;
+    clear(st.accO);
+    if (warpgroup == 0) consume_even<Cfg>(plan, params, cta, st, thread_in_wg);
+    else consume_odd<Cfg>(plan, params, cta, st, thread_in_wg);
+    finish<Cfg>(plan, params, cta, st, warpgroup, thread_in_wg);
+  }
+#elif defined(__CUDA_ARCH__)
+  // Built for an architecture without WGMMA/setmaxnreg: fail loudly rather
+  // than return an output that was never written.
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Host launcher for one D variant.
+// ---------------------------------------------------------------------------
+template <class Cfg>
+LaunchStatus run_fwd_variant(const SparseMlaFwdParams& p, cudaStream_t stream, const char** detail) {
+  // T = 0 launches: every row then has no valid slot (out = 0, lse = -inf).
+  if (p.batch < 1 || p.s_q < 1 || p.topk < 0 || p.h_q < 1 || p.s_kv < 0) {
+    *detail = "empty or invalid problem (B, S and H must be >= 1): nothing to launch";
+    return LaunchStatus::kInvalidProblem;
+  }
+  if (p.d_v != kDv) {
+    *detail = "the kernel computes d_v = 512 value dims";
+    return LaunchStatus::kInvalidProblem;
+  }
+  TmaParams tma{};
+  if (LaunchStatus s = encode_head_tile_map(&tma.q, p.q, Cfg::D, p.h_q, p.s_q, p.batch, Cfg::HT, detail);
+      s != LaunchStatus::kOk)
+    return s;
+  return launch_kernel(&sparse_mla_fwd_kernel<Cfg>, int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q), kThreads,
+                       Cfg::kSmemBytes, stream, detail, p, tma);
+}
+
+}  // namespace sparse_mla
+}  // namespace attn_dist
+
+// Explicit instantiation, one (D, HT) per translation unit for parallel nvcc:
+// CMake generates one such unit per entry of the op's variants.py.
+#define SPARSE_MLA_FWD_INSTANTIATE(D, HT)                                                               \
+  template attn_dist::LaunchStatus                                                                    \
+  attn_dist::sparse_mla::run_fwd_variant<attn_dist::sparse_mla::FwdConfig<D, HT>>(                    \
+      const attn_dist::SparseMlaFwdParams&, cudaStream_t, const char**);
