@@ -4,6 +4,9 @@
   top-k keys (the indexer's target; docs/SPEC.md §2).
 * :func:`indexer_kl`, :func:`indexer_loss`: the lightning indexer's KL loss
   (docs/SPEC.md §5).
+* :func:`indexer_topk`: each query's top-k keys by the indexer's logits,
+  the ``indices`` the other functions take (docs/SPEC.md §9; packed
+  sequences too, ``topk_length`` does not apply).
 * :func:`sparse_mla`: sparse MLA attention over the top-k keys, giving the
   output and the lse that attn_dist takes (docs/SPEC.md §8).
 * All of them take packed sequences (``cu_seqlens_q``/``cu_seqlens_k``) and
@@ -22,6 +25,8 @@ from .ops.attn_dist import HEADS_PER_GROUP, attn_dist, attn_dist_p, attn_dist_re
 from .ops.attn_dist import kernel_supports as attn_dist_kernel_supports
 from .ops.indexer import indexer_kl, indexer_kl_bwd_p, indexer_kl_p, indexer_kl_reference, indexer_loss
 from .ops.indexer import kernel_supports as indexer_kernel_supports
+from .ops.indexer_topk import indexer_topk
+from .ops.indexer_topk import kernel_supports as indexer_topk_kernel_supports
 from .ops.sparse_mla import kernel_supports as sparse_mla_kernel_supports
 from .ops.sparse_mla import sparse_mla, sparse_mla_p, sparse_mla_reference
 
@@ -53,6 +58,8 @@ __all__ = [
     "indexer_kl_p",
     "indexer_kl_reference",
     "indexer_loss",
+    "indexer_topk",
+    "indexer_topk_kernel_supports",
     "kernel_available",
     "kernel_status",
     "kernel_supports",

@@ -10,3 +10,4 @@ registrations, CMakeLists.txt's variant lists).
 
 from . import attn_dist, indexer  # noqa: F401  (registers each op's primitives and rules)
 from . import sparse_mla  # noqa: F401
+from . import indexer_topk  # noqa: F401
