@@ -15,6 +15,12 @@ and §7):
 * SPEC §6 rows (``PACKING``): a packed call (4 sequences of 1024 rows) or a
   ``topk_length = T / 2`` call against the same kernel call without §6
   (``ratio`` = §6 time / plain time); for the indexer also its backward.
+* ``sparse_mla`` shapes (§8, ``mla-*``): the forward kernel and its jnp path
+  under XLA (the v32 shapes only). FLOPs = 2*B*S*H*T*(D + d_v).
+* ``indexer_topk`` shapes (§9, ``topk-*``): the kernel and its jnp path
+  under XLA (topk-v32 only); FLOPs = the causal logits GEMM (2*HI*DI per
+  visible (row, key), about 2*S*(N - S/2)*HI*DI), and ``floor ms`` those
+  FLOPs at the GEMM ceiling's rate.
 
 Timing: each sample enqueues ``--calls`` back-to-back launches of one jitted
 call (alternating between two input sets, so repeated runs do not just
@@ -51,11 +57,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the per-op mod
 
 from attn_dist_bench import ATTN_SHAPES, bench_attn_dist  # noqa: E402
 from indexer_bench import INDEXER_SHAPES, STEPS, bench_indexer, bench_step, xla_indexer_kl  # noqa: E402,F401
+from indexer_topk_bench import TOPK_SHAPES, bench_indexer_topk, logits_flops  # noqa: E402,F401
 from packing_bench import PACKING, bench_packing, packed_layout  # noqa: E402,F401
+from sparse_mla_bench import SPARSE_MLA_SHAPES, bench_sparse_mla, sparse_mla_flops  # noqa: E402,F401
 from timing import gemm_ceiling, gemm_problem, log  # noqa: E402,F401  (gemm_problem: for callers)
 
 #: Every row, by name: one line per op family.
-ALL = list(ATTN_SHAPES) + list(INDEXER_SHAPES) + list(STEPS) + list(PACKING)
+ALL = (list(ATTN_SHAPES) + list(INDEXER_SHAPES) + list(STEPS) + list(PACKING) + list(SPARSE_MLA_SHAPES)
+       + list(TOPK_SHAPES))
 
 
 def git_commit() -> str:
@@ -74,6 +83,7 @@ def table(result) -> str:
         ("kernel ms", 10, lambda r: r.get("kernel_ms"), "{:.3f}"),
         ("TFLOP/s", 9, lambda r: r.get("kernel_tflops"), "{:.0f}"),
         ("of GEMM", 8, lambda r: r.get("kernel_frac_gemm"), "{:.0%}"),
+        ("floor ms", 9, lambda r: r.get("gemm_floor_ms"), "{:.3f}"),
         ("XLA ms", 9, lambda r: r.get("xla_ms"), "{:.2f}"),
         ("speedup", 8, lambda r: r.get("speedup_vs_xla"), "{:.2f}x"),
         ("XLA tmp GB", 11, lambda r: None if r.get("xla_extra_bytes") is None else r["xla_extra_bytes"] / 1e9,
@@ -106,7 +116,9 @@ def plot(result, path: str) -> str | None:
         return None
     rows = [r for r in result["rows"] if r.get("kernel_tflops") is not None]
     groups = [("attn_dist (FLOPs = 2 S H T D)", [r for r in rows if r["kind"] == "attn_dist"]),
-              ("indexer_kl forward (FLOPs = 2 S HI T DI)", [r for r in rows if r["kind"] == "indexer"])]
+              ("indexer_kl forward (FLOPs = 2 S HI T DI)", [r for r in rows if r["kind"] == "indexer"]),
+              ("sparse_mla (FLOPs = 2 S H T (D + d_v))", [r for r in rows if r["kind"] == "sparse_mla"]),
+              ("indexer_topk (FLOPs = causal logits GEMM)", [r for r in rows if r["kind"] == "indexer_topk"])]
     groups = [(title, rs) for title, rs in groups if rs]
     if not groups:
         return None
@@ -174,6 +186,10 @@ def main(argv=None) -> int:
             row = bench_indexer(name, INDEXER_SHAPES[name], **opts)
         elif name in PACKING:
             row = bench_packing(name, **opts)
+        elif name in SPARSE_MLA_SHAPES:
+            row = bench_sparse_mla(name, SPARSE_MLA_SHAPES[name], **opts)
+        elif name in TOPK_SHAPES:
+            row = bench_indexer_topk(name, TOPK_SHAPES[name], **opts)
         else:
             row = bench_step(name, **opts)
         row["bench_seconds"] = time.perf_counter() - t_shape

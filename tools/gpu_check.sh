@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [sanitize] [sanitize-det] [sanitize-packed] [ncu] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [bench-new] [sanitize] [sanitize-det] [sanitize-packed] [sanitize-new] [ncu] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 #
@@ -28,7 +28,8 @@ run() {  # name, command...
   return $rc
 }
 GPU_TESTS=(tests/attn_dist/test_gpu.py tests/attn_dist/test_gpu_transforms.py tests/indexer/test_gpu.py
-           tests/packing/test_gpu.py tests/package/test_gpu_command_buffers.py tests/package/test_xla_precision.py)
+           tests/packing/test_gpu.py tests/package/test_gpu_command_buffers.py tests/package/test_xla_precision.py
+           tests/sparse_mla/test_gpu.py tests/indexer_topk/test_gpu.py)
 for step in "${steps[@]}"; do
   case $step in
     build)
@@ -65,6 +66,8 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
     bench-packed) run bench-packed python3 benchmarks/bench.py --no-xla --shapes v32-h128 pack-v32-h128 \
                     topk-half-v32-h128 topk-full-v32-h128 pack-idx-v32 topk-half-idx-v32 \
                     topk-full-idx-v32 --json "$OUT/bench_packed.json" ;;
+    bench-new) run bench-new python3 benchmarks/bench.py --shapes mla-v32-h128 mla-v32-h64 mla-128k-h128 topk-v32 \
+                 topk-32k topk-128k --json "$OUT/bench_new.json" ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
         for kernel in attn_dist indexer indexer_bwd; do
@@ -90,6 +93,14 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
         for name in attn_dist_kernel indexer_fwd_kernel indexer_bwd_kernel; do
           run "sanitize-$tool-packed-$name" compute-sanitizer --tool "$tool" --kernel-name "kns=$name" \
             --error-exitcode 9 python3 tests/support/sanitizer_run.py packed
+        done
+      done ;;
+    sanitize-new)  # sparse_mla's forward kernel and the indexer_topk kernel
+      for tool in memcheck racecheck synccheck; do
+        for mode in sparse_mla indexer_topk; do
+          case $mode in sparse_mla) name=sparse_mla_fwd_kernel ;; *) name=indexer_topk_kernel ;; esac
+          run "sanitize-$tool-$mode" compute-sanitizer --tool "$tool" --kernel-name "kns=$name" --error-exitcode 9 \
+            python3 tests/support/sanitizer_run.py "$mode"
         done
       done ;;
     ncu)

@@ -1,6 +1,8 @@
 """The benchmark's own pieces that run anywhere: the plain-XLA indexer loss
-it compares against computes SPEC §5, and the plot is drawn from a results
-file. (The timings themselves need a GPU: benchmarks/bench.py.)"""
+it compares against computes SPEC §5, the plot is drawn from a results
+file, the sparse_mla and indexer_topk rows are registered, count SPEC §8's
+and §9's FLOPs and build their rows (on tiny shapes, the jnp path standing
+in for the kernel). (The timings themselves need a GPU: benchmarks/bench.py.)"""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ def test_plot_from_results(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [dict(name="v32-h128", kind="attn_dist", kernel_ms=2.1, kernel_tflops=580.0, xla_tflops=90.0),
             dict(name="idx-v32", kind="indexer", kernel_ms=0.35, kernel_tflops=390.0, xla_tflops=40.0),
+            dict(name="mla-v32-h128", kind="sparse_mla", kernel_ms=3.0, kernel_tflops=600.0, xla_tflops=80.0),
+            dict(name="topk-128k", kind="indexer_topk", kernel_ms=4.0, kernel_tflops=500.0),
             dict(name="step-v32", kind="step", kernel_ms=4.0)]
     result = dict(rows=rows, gemm_8192_tflops=740.0, commit="abc", device="H100", jax="0.11.2")
     path = tmp_path / "r.json"
@@ -60,3 +64,65 @@ def test_packed_layout_keeps_every_slot_valid():
     assert valid.all()
     assert list(np.asarray(cu_q)) == [0, 16, 32, 48, 64] and list(np.asarray(cu_k)) == [0, 24, 48, 72, 96]
 
+
+
+def test_sparse_mla_and_topk_rows_are_registered():
+    names = list(bench.SPARSE_MLA_SHAPES) + list(bench.TOPK_SHAPES)
+    assert names == ["mla-v32-h128", "mla-v32-h64", "mla-128k-h128", "topk-v32", "topk-32k", "topk-128k"]
+    assert set(names) <= set(bench.ALL) and len(set(bench.ALL)) == len(bench.ALL)
+    assert bench.SPARSE_MLA_SHAPES["mla-v32-h128"] == (4096, 8192, 128, 2048, 576, 512)
+    assert bench.SPARSE_MLA_SHAPES["mla-128k-h128"][1] == 131072
+    assert [bench.TOPK_SHAPES[n][1] for n in bench.TOPK_SHAPES] == [8192, 32768, 131072]
+    import jax
+
+    if jax.default_backend() != "gpu":  # the names parse; without a GPU main stops before timing
+        assert bench.main(["--shapes", *names]) == 2
+
+
+def test_flop_counts():
+    """SPEC §8.2's 2 S H T (D + d_v); the causal logits GEMM of §9 counts
+    each visible (row, key) pair, S (N - S/2) + S/2 of them at q_start = N - S,
+    and as many as the float64 oracle has finite logits."""
+    assert bench.sparse_mla_flops(4096, 128, 2048, 576, 512) == 2 * 4096 * 128 * 2048 * (576 + 512)
+    S, N = 4096, 8192
+    assert bench.logits_flops(S, N, 64, 128, N - S) == 2 * 64 * 128 * (S * (N - S // 2) + S // 2)
+    from indexer_topk_bench import visible_keys
+
+    rng = np.random.default_rng(0)
+    for q_start, k_stride in ((5, 1), (-3, 1), (7, 3), (40, 2)):
+        iq, ik, w = rng.random((9, 1, 2)), rng.random((20, 2)), rng.random((9, 1))
+        logits = oracle.indexer_topk_logits_oracle(iq, ik, w, q_start_index=q_start, k_stride=k_stride)
+        assert visible_keys(9, 20, q_start, k_stride) == int(np.isfinite(logits).sum())
+
+
+def test_sparse_mla_row_on_cpu():
+    row = bench.bench_sparse_mla("mla-v32-h64", (8, 40, 4, 16, 64, 32), calls=1, samples=1, gemm_tflops=1.0,
+                                 implementation="xla")
+    assert row["kind"] == "sparse_mla" and row["flops"] == 2 * 8 * 4 * 16 * (64 + 32)
+    assert row["kernel_ms"] > 0 and row["xla_ms"] > 0 and row["gemm_floor_ms"] > 0
+    assert row["lse_err_vs_exact"] < 1e-4  # the synthetic problem's exact lse is the op's
+    assert row["rel_err_vs_xla"] == 0.0 and row["lse_err_vs_xla"] == 0.0
+    from sparse_mla_bench import SPARSE_MLA_XLA_SHAPES
+
+    assert SPARSE_MLA_XLA_SHAPES == ("mla-v32-h128", "mla-v32-h64")
+
+
+def test_indexer_topk_row_on_cpu():
+    row = bench.bench_indexer_topk("topk-v32", (10, 40, 4, 16, 8), calls=1, samples=1, gemm_tflops=1.0,
+                                   implementation="xla")
+    assert row["kind"] == "indexer_topk" and row["flops"] == bench.logits_flops(10, 40, 4, 16, 30)
+    assert row["kernel_ms"] > 0 and row["xla_ms"] > 0
+    assert row["oracle_rows_checked"] == 8 and row["oracle_rows_bad"] == 0
+    assert row["rows_differing_from_xla"] == 0
+    assert row["kernel_frac_gemm"] == pytest.approx(row["gemm_floor_ms"] / row["kernel_ms"])
+    from indexer_topk_bench import TOPK_XLA_SHAPES
+
+    assert TOPK_XLA_SHAPES == ("topk-v32",)
+
+
+def test_table_has_the_floor_column():
+    rows = [dict(name="topk-v32", kind="indexer_topk", kernel_ms=0.5, kernel_tflops=300.0, kernel_frac_gemm=0.4,
+                 gemm_floor_ms=0.2, xla_ms=9.0, speedup_vs_xla=18.0),
+            dict(name="mla-128k-h128", kind="sparse_mla", kernel_ms=4.0, kernel_tflops=560.0, gemm_floor_ms=3.0)]
+    text = bench.table(dict(rows=rows))
+    assert "floor ms" in text and "0.200" in text and "3.000" in text and "mla-128k-h128" in text

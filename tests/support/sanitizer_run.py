@@ -6,6 +6,8 @@
     compute-sanitizer --tool memcheck python tests/support/sanitizer_run.py indexer_bwd_det
     compute-sanitizer --tool memcheck python tests/support/sanitizer_run.py packed
     compute-sanitizer --tool memcheck --padding 1048576 python tests/support/sanitizer_run.py ranges
+    compute-sanitizer --tool racecheck --kernel-name kns=sparse_mla_fwd_kernel python tests/support/sanitizer_run.py sparse_mla
+    compute-sanitizer --tool synccheck --kernel-name kns=indexer_topk_kernel python tests/support/sanitizer_run.py indexer_topk
 
 attn_dist: partial T, partial H, both head tiles, both D, batched, all-invalid.
 indexer: every head-tile variant (16, 32, 64, 4 x 64), both DI, partial T,
@@ -25,15 +27,32 @@ ranges but past N, checked against the clamp rule and the oracle
 cudaMalloc of its exact size (through CuPy, which this mode needs) rather
 than in XLA's pooled memory, where memcheck does not see a read past a
 buffer's end; most cases have B = 1, so that memcheck reports any read of
-a key row past N - 1 or before row 0. Exits non-zero if a result is wrong.
+a key row past N - 1 or before row 0. sparse_mla: its forward kernel (B 2,
+S 8, H 128, both D) on adversarial indices (negative, >= N, INT32_MIN/MAX,
+duplicates), rows with no valid slot and a first batch element whose first
+rows see no key, and a packed call with cu_seqlens (padding rows) and
+topk_length, checked against the float64 oracle. indexer_topk: the kernel
+(HI 64, DI 128, B 2, S 9) on N 9000 without the causal rule (more than one
+8192-key chunk per row: the multi-pass path) and N 300 causal with per-batch
+q_start (rows with no key, rows with fewer keys than topk), topk 64 and
+2048, and packed calls (a sequence of more than 8192 keys, padding rows),
+each row checked under SPEC 9.3's rule. Exits non-zero if a result is wrong.
 """
 
 import functools
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 import attn_dist_cases
 import indexer_cases
 import packed_kernel_cases
+import sparse_mla_cases
+import topk_inputs
+from inputs import seed_of
+from jax_attn_dist import indexer_topk, oracle
 from packed_cases import CASES as PACKED_CASES
 
 ATTN_DIST = [
@@ -118,6 +137,89 @@ def ranges_checks():
     return checks
 
 
+def sparse_mla_call(q, kv, idx, kw, **packing):
+    """sparse_mla on the kernel (jit, array keywords traced), checked against
+    the float64 oracle (SPEC 8.2's tolerances)."""
+    out, lse = jax.block_until_ready(sparse_mla_cases.run(q, kv, idx, dict(kw, implementation="cuda"), **packing))
+    sparse_mla_cases.check_against_oracle(q, kv, idx, kw, out, lse, out_tol=oracle.SPARSE_MLA_OUT_TOLERANCE,
+                                          lse_tol=oracle.SPARSE_MLA_LSE_TOLERANCE, **packing)
+
+
+def sparse_mla_packed(D):
+    """One unbatched packed call: 3 sequences (rows 14.. are padding), per-row
+    topk_length from below 0 to past T, adversarial indices."""
+    S, N, T = 16, 300, 130
+    q, kv, idx, kw = sparse_mla_cases.make_sparse_mla_inputs(seed_of("sanitize-mla-packed", D), S=S, H=128, D=D,
+                                                             N=N, T=T, invalid_fraction=0.3, empty_rows=0.1)
+    rng = np.random.default_rng(seed_of("sanitize-mla-packed-topk", D))
+    packing = dict(cu_seqlens_q=jnp.asarray([0, 5, 12, 14], jnp.int32),
+                   cu_seqlens_k=jnp.asarray([0, 100, 250, 300], jnp.int32),
+                   topk_length=jnp.asarray(rng.integers(-3, T + 10, (S,)), jnp.int32))
+    sparse_mla_call(q, kv, idx, dict(kw, q_start_index=jnp.asarray([0, 40, 7], jnp.int32)), **packing)
+
+
+def sparse_mla_checks():
+    checks = []
+    for D, causal in ((576, True), (512, False)):
+        def case(D=D, causal=causal):
+            # B 2, S 8, H 128, N 300, T 130: adversarial indices (30 % of the slots, every kind), a quarter of
+            # the rows with no valid slot, the first batch element starting at q_start -2
+            q, kv, idx, kw = sparse_mla_cases.make_sparse_mla_inputs(
+                seed_of("sanitize-mla", D, causal), B=2, S=8, H=128, D=D, N=300, T=130, causal=causal,
+                q_start_index="batch", invalid_fraction=0.3, empty_rows=0.25)
+            sparse_mla_call(q, kv, idx, kw)
+        checks.append(Named(f"sparse_mla-b2-s8-h128-d{D}-n300-t130-c{int(causal)}", case))
+    checks.append(Named("sparse_mla-all-invalid", sparse_mla_all_invalid))
+    checks.append(Named("sparse_mla-packed-topk_length-d576", functools.partial(sparse_mla_packed, 576)))
+    return checks
+
+
+def sparse_mla_all_invalid():
+    """Every slot invalid (every kind of bad index): out 0, lse -inf."""
+    q, kv, idx, kw = sparse_mla_cases.make_sparse_mla_inputs(seed_of("sanitize-mla-empty"), B=2, S=8, H=128,
+                                                             D=576, N=300, T=130, invalid_fraction=1.0)
+    out, lse = jax.block_until_ready(sparse_mla_cases.run(q, kv, idx, dict(kw, implementation="cuda")))
+    assert np.all(np.asarray(out, np.float32) == 0.0), "all-invalid rows: out must be 0"
+    assert np.isneginf(np.asarray(lse)).all(), "all-invalid rows: lse must be -inf"
+
+
+def indexer_topk_call(topk, iq, ik, w, kw, **packing):
+    """indexer_topk on the kernel (jit, q_start_index traced), every row
+    checked under SPEC 9.3's rule against the float64 logits."""
+    kw = dict(kw)
+    qs = jnp.asarray(kw.pop("q_start_index"), jnp.int32)
+    f = jax.jit(lambda a, b, c, s, p: indexer_topk(a, b, c, topk=topk, q_start_index=s, implementation="cuda",
+                                                   **kw, **p))
+    got = jax.block_until_ready(f(iq, ik, w, qs, packing))
+    host = {k: np.asarray(v) for k, v in packing.items()}
+    topk_inputs.check_selection(got, iq, ik, w, dict(kw, q_start_index=np.asarray(qs)), topk, **host)
+
+
+def indexer_topk_checks():
+    HI, DI = 64, 128
+    checks = []
+    for N, causal in ((9000, False), (300, True)):
+        for topk in (64, 2048):
+            def case(N=N, causal=causal, topk=topk):
+                # causal: the first element's rows see 0 to 6 keys (rows 0-2 none), the second's 151 to 159
+                iq, ik, w, kw = topk_inputs.make_topk_inputs(
+                    seed_of("sanitize-topk", N, causal), B=2, S=9, HI=HI, DI=DI, N=N, causal=causal,
+                    q_start_index=np.asarray([-3, 150], np.int32) if causal else 0)
+                indexer_topk_call(topk, iq, ik, w, kw)
+            checks.append(Named(f"indexer_topk-b2-s9-n{N}-c{int(causal)}-k{topk}", case))
+    for causal, topk in ((False, 2048), (True, 64)):
+        def packed(causal=causal, topk=topk):
+            # rows 7 and 8 are padding; the third sequence has 8800 keys (more than one chunk), its rows
+            # see 8701 to 8703 of them under the causal rule
+            iq, ik, w, kw = topk_inputs.make_topk_inputs(seed_of("sanitize-topk-packed", causal), S=9, HI=HI,
+                                                         DI=DI, N=9000, causal=causal)
+            kw = dict(kw, q_start_index=np.asarray([0, 50, 8700], np.int32))
+            indexer_topk_call(topk, iq, ik, w, kw, cu_seqlens_q=jnp.asarray([0, 3, 4, 7], jnp.int32),
+                              cu_seqlens_k=jnp.asarray([0, 100, 200, 9000], jnp.int32))
+        checks.append(Named(f"indexer_topk-packed-c{int(causal)}-k{topk}", packed))
+    return checks
+
+
 CHECKS = {
     "attn_dist": (ATTN_DIST, attn_dist_cases.check_case),
     "indexer": (INDEXER, indexer_cases.check_case),
@@ -125,6 +227,8 @@ CHECKS = {
     "indexer_bwd_det": (INDEXER_BWD, functools.partial(indexer_cases.check_bwd_case, deterministic=True)),
     "packed": (packed_checks, lambda named: named.fn()),
     "ranges": (ranges_checks, lambda named: named.fn()),
+    "sparse_mla": (sparse_mla_checks, lambda named: named.fn()),
+    "indexer_topk": (indexer_topk_checks, lambda named: named.fn()),
 }
 
 if __name__ == "__main__":

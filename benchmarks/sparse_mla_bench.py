@@ -1,0 +1,93 @@
+"""sparse_mla's benchmark rows (SPEC §8): the forward kernel against the
+same computation on the jnp path under XLA (``implementation="xla"``, the
+chunked reference), FLOPs = 2*B*S*H*T*(D + d_v) (SPEC §8.2: QK^T and PV
+over every slot)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from timing import extra_memory_bytes, time_calls
+
+# name: (S, N, H, T, D, d_v). SPEC §4's v32 shapes with d_v = 512 (the MLA latent).
+SPARSE_MLA_SHAPES = {
+    "mla-v32-h128": (4096, 8192, 128, 2048, 576, 512),
+    "mla-v32-h64": (4096, 8192, 64, 2048, 576, 512),
+    "mla-128k-h128": (4096, 131072, 128, 2048, 576, 512),
+}
+#: The shapes with an XLA row (the jnp path is timed only on the v32 shapes,
+#: as for the other ops' long rows: it is slow, and the ceiling is the point).
+SPARSE_MLA_XLA_SHAPES = ("mla-v32-h128", "mla-v32-h64")
+
+
+def sparse_mla_flops(S, H, T, D, d_v, B=1) -> int:
+    """SPEC §8.2: 2 * B * S * H * T * (D + d_v), every slot counted."""
+    return 2 * B * S * H * T * (D + d_v)
+
+
+def sparse_mla_problem(S, N, H, T, D, d_v, seed):
+    """((q, kv, indices), sparse_mla keywords, exact lse): attn_dist's
+    synthetic problem (synthetic.make_problem: T distinct keys per row drawn
+    uniformly among its causal-visible ones, q_start = N - S), whose exact
+    base-2 lse of the same softmax checks the kernel's."""
+    from jax_attn_dist import synthetic
+
+    p = synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=seed)
+    kw = dict(sm_scale=p.sm_scale, d_v=d_v, causal=p.causal, q_start_index=p.q_start_index, k_stride=p.k_stride,
+              lse_base=p.lse_base)
+    return (p.q, p.k, p.indices), kw, p.lse
+
+
+def lse_error(lse, ref) -> float:
+    """max |lse - ref| where ref is finite; inf if the non-finite entries differ."""
+    lse, ref = np.asarray(lse, np.float64), np.asarray(ref, np.float64)
+    finite = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(lse), finite):
+        return float("inf")
+    return float(np.abs(lse[finite] - ref[finite]).max()) if finite.any() else 0.0
+
+
+def bench_sparse_mla(name, dims, *, calls, samples, gemm_tflops, with_xla=True, implementation="cuda"):
+    """One row. ``implementation`` is the timed path ("cuda"; the CPU tests
+    pass "xla" to run the row's code without a GPU)."""
+    import jax_attn_dist
+    from jax_attn_dist import oracle
+
+    S, N, H, T, D, d_v = dims
+    sets = [sparse_mla_problem(S, N, H, T, D, d_v, seed) for seed in (0, 1)]
+    kw, exact_lse = sets[0][1], sets[0][2]
+    arg_sets = [a for a, _, _ in sets]
+    flops = sparse_mla_flops(S, H, T, D, d_v)
+
+    def call(impl):
+        return jax.jit(lambda q, kv, i: jax_attn_dist.sparse_mla(q, kv, i, implementation=impl, **kw))
+
+    row = {"name": name, "kind": "sparse_mla", "S": S, "N": N, "H": H, "T": T, "D": D, "d_v": d_v, "flops": flops}
+    kernel = call(implementation)
+    out_k, lse_k = kernel(*arg_sets[0])
+    t_k = time_calls(kernel, arg_sets, calls=calls, samples=samples)
+    row.update(
+        kernel_ms=t_k * 1e3,
+        kernel_tflops=flops / t_k / 1e12,
+        kernel_frac_gemm=flops / t_k / 1e12 / gemm_tflops,
+        gemm_floor_ms=flops / (gemm_tflops * 1e12) * 1e3,
+        kernel_extra_bytes=extra_memory_bytes(kernel, *arg_sets[0]),
+        lse_err_vs_exact=lse_error(lse_k, exact_lse),
+    )
+    if with_xla and name in SPARSE_MLA_XLA_SHAPES:
+        xla = call("xla")
+        out_x, lse_x = xla(*arg_sets[0])
+        t_x = time_calls(xla, arg_sets, calls=max(1, calls // 2), samples=samples)
+        rel, max_rel = oracle.spec_errors(jnp.asarray(out_k, jnp.float32), jnp.asarray(out_x, jnp.float32))
+        row.update(
+            xla_ms=t_x * 1e3,
+            xla_tflops=flops / t_x / 1e12,
+            speedup_vs_xla=t_x / t_k,
+            xla_extra_bytes=extra_memory_bytes(xla, *arg_sets[0]),
+            rel_err_vs_xla=rel,
+            max_err_vs_xla_rel_to_max=max_rel,
+            lse_err_vs_xla=lse_error(lse_k, lse_x),
+        )
+    return row
