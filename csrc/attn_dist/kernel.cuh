@@ -336,8 +336,8 @@ LaunchStatus run_variant(const AttnDistParams& p, cudaStream_t stream, const cha
 }  // namespace dist
 }  // namespace attn_dist
 
-// Explicit instantiation, one (D, HT) per translation unit for parallel nvcc: CMake generates
-// one such unit per entry of the op's variants.py.
+// Explicit instantiation: CMake generates one file with this line per entry of the op's
+// variants.py, and nvcc compiles those files up to four to a translation unit.
 #define ATTN_DIST_INSTANTIATE(D, HT)                                                               \
   template attn_dist::LaunchStatus attn_dist::dist::run_variant<attn_dist::dist::Config<D, HT>>(   \
       const attn_dist::AttnDistParams&, cudaStream_t, const char**);

@@ -1,6 +1,6 @@
 // Picks the compiled (D, head tile) variant of the attn_dist kernel: the
 // table is attn_dist/variants.h (from variants.py); each variant is
-// instantiated in its own generated translation unit.
+// instantiated in its own generated file (CMake compiles a few to a unit).
 #include "params.h"
 #include "variants.h"
 

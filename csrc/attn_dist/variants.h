@@ -1,7 +1,7 @@
 // The compiled variants of the attn_dist kernel: jax_attn_dist/ops/attn_dist/
 // variants.py's KERNEL_VARIANTS, which CMake writes to attn_dist_variants.inc
 // (one ATTN_DIST_VARIANT(D, head_tile) line each) and instantiates one per
-// generated translation unit. The launcher dispatches over this table, the FFI
+// generated file. The launcher dispatches over this table, the FFI
 // handler checks D against it, and _cuda.kernel_variants() reports it.
 #pragma once
 

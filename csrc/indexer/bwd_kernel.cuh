@@ -403,7 +403,7 @@ LaunchStatus run_bwd_variant(const IndexerBwdParams& p, cudaStream_t stream, con
 }  // namespace indexer
 }  // namespace attn_dist
 
-// Explicit instantiation: CMake generates one translation unit per variants.py entry.
+// Explicit instantiation: CMake generates one file per variants.py entry (up to four per unit).
 #define INDEXER_BWD_INSTANTIATE(DI, HT, DETERMINISTIC)                                             \
   template attn_dist::LaunchStatus                                                                   \
   attn_dist::indexer::run_bwd_variant<attn_dist::indexer::BwdConfig<DI, HT, DETERMINISTIC>>(         \

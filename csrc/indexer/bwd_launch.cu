@@ -1,6 +1,6 @@
 // Picks the compiled (DI, head tile, deterministic) variant of the indexer_kl
 // backward kernel: the table is indexer/variants.h (from variants.py); each
-// variant is instantiated in its own generated translation unit.
+// variant is instantiated in its own generated file (a few to a unit).
 #include <string>
 
 #include "params.h"

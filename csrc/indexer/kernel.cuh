@@ -135,8 +135,8 @@ LaunchStatus run_variant(const IndexerFwdParams& p, cudaStream_t stream, const c
 }  // namespace indexer
 }  // namespace attn_dist
 
-// Explicit instantiation, one variant per translation unit for parallel nvcc: CMake generates
-// one such unit per entry of the op's variants.py.
+// Explicit instantiation: CMake generates one file with this line per entry of the op's
+// variants.py, and nvcc compiles those files up to four to a translation unit.
 #define INDEXER_FWD_INSTANTIATE(DI, HT, TILES)                                                            \
   template attn_dist::LaunchStatus                                                                         \
   attn_dist::indexer::run_variant<attn_dist::indexer::Config<DI, HT, TILES>>(const attn_dist::IndexerFwdParams&, \

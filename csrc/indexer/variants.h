@@ -3,7 +3,7 @@
 // writes to indexer_fwd_variants.inc and indexer_bwd_variants.inc (one
 // INDEXER_FWD_VARIANT(DI, head_tile, head_tiles) or
 // INDEXER_BWD_VARIANT(DI, head_tile, deterministic) line each) and
-// instantiates one per generated translation unit. The launchers dispatch over
+// instantiates one per generated file. The launchers dispatch over
 // these tables, the FFI handlers check DI and HI against them, and
 // _cuda.kernel_variants() reports them.
 #pragma once

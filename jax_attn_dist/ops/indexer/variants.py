@@ -1,5 +1,5 @@
 """The compiled variants of the indexer_kl kernels: the one list that drives
-the instantiations (CMake generates one translation unit per entry), the
+the instantiations (CMake generates one instantiation per entry), the
 launchers' dispatch (generated X-macro lists) and the coverage that Python
 reads (``contract.KERNEL_HEAD_DIMS``, ``KERNEL_MAX_HEADS``,
 ``BWD_KERNEL_MAX_HEADS``).
