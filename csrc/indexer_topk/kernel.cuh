@@ -385,8 +385,8 @@ LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const 
 }  // namespace indexer_topk
 }  // namespace attn_dist
 
-// Explicit instantiation, one variant per translation unit: CMake generates
-// one such unit per entry of jax_attn_dist/ops/indexer_topk/variants.py.
+// Explicit instantiation: CMake generates one file with this line per entry of
+// jax_attn_dist/ops/indexer_topk/variants.py, compiled up to four to a unit.
 #define INDEXER_TOPK_INSTANTIATE(DI, HI)                                                                   \
   template attn_dist::LaunchStatus                                                                         \
   attn_dist::indexer_topk::run_variant<attn_dist::indexer_topk::Config<DI, HI>>(                          \

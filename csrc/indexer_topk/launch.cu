@@ -1,6 +1,6 @@
 // Picks the compiled (DI, HI) variant of the indexer_topk kernel: the table is
 // indexer_topk/variants.h (from variants.py); each variant is instantiated in
-// its own generated translation unit.
+// its own generated file (CMake compiles a few to a unit).
 #include <string>
 
 #include "params.h"

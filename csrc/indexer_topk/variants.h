@@ -1,7 +1,7 @@
 // The compiled variants of the indexer_topk kernel: jax_attn_dist/ops/
 // indexer_topk/variants.py's KERNEL_VARIANTS, which CMake writes to
 // indexer_topk_variants.inc (one INDEXER_TOPK_VARIANT(DI, HI) line each) and
-// instantiates one per generated translation unit. The launcher dispatches
+// instantiates one per generated file. The launcher dispatches
 // over this table, the FFI handler checks DI and HI against it, and
 // _cuda.kernel_variants() reports it.
 #pragma once

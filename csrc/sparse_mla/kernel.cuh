@@ -476,8 +476,8 @@ LaunchStatus run_fwd_variant(const SparseMlaFwdParams& p, cudaStream_t stream, c
 }  // namespace sparse_mla
 }  // namespace attn_dist
 
-// Explicit instantiation, one (D, HT) per translation unit for parallel nvcc:
-// CMake generates one such unit per entry of the op's variants.py.
+// Explicit instantiation: CMake generates one file with this line per entry of the op's
+// variants.py, and nvcc compiles those files up to four to a translation unit.
 #define SPARSE_MLA_FWD_INSTANTIATE(D, HT)                                                               \
   template attn_dist::LaunchStatus                                                                    \
   attn_dist::sparse_mla::run_fwd_variant<attn_dist::sparse_mla::FwdConfig<D, HT>>(                    \

@@ -1,6 +1,6 @@
 // Picks the compiled D variant of the sparse MLA forward kernel: the table is
 // sparse_mla/variants.h (from variants.py); each variant is instantiated in its
-// own generated translation unit.
+// own generated file (CMake compiles a few to a unit).
 #include "params.h"
 #include "variants.h"
 

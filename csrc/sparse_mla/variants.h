@@ -1,7 +1,7 @@
 // The compiled variants of the sparse MLA forward kernel: jax_attn_dist/ops/
 // sparse_mla/variants.py's KERNEL_VARIANTS, which CMake writes to
 // sparse_mla_variants.inc (one SPARSE_MLA_VARIANT(D, head_tile) line each) and
-// instantiates one per generated translation unit. The launcher dispatches
+// instantiates one per generated file. The launcher dispatches
 // over this table, the FFI handler checks D against it, and
 // _cuda.kernel_variants() reports it.
 #pragma once

@@ -1,5 +1,5 @@
 """The compiled variants of the indexer_topk kernel: the one list that
-drives the instantiations (CMake generates one translation unit per entry),
+drives the instantiations (CMake generates one instantiation per entry),
 the launcher's dispatch and the coverage that Python reads
 (``contract.kernel_supports``).
 

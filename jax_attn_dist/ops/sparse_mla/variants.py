@@ -1,5 +1,5 @@
 """The compiled variants of the sparse MLA forward kernel: the one list that
-drives the instantiations (CMake generates one translation unit per entry),
+drives the instantiations (CMake generates one instantiation per entry),
 the launcher's dispatch (a generated X-macro list) and the coverage that
 Python reads (``contract.KERNEL_HEAD_DIMS``).
 
