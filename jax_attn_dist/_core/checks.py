@@ -279,3 +279,41 @@ def canonicalize(problem, *arrays_and_q_start):
     else:
         q_start = jnp.broadcast_to(jnp.asarray(q_start_index).astype(jnp.int32), (problem.B,))
     return (*arrays, q_start)
+
+
+def check_keys_and_indices(who: str, q, k_name: str, k, indices, batched: bool, B: int, S: int, H: int, D: int,
+                           lead: str):
+    """The sizes of a query's keys ``k`` [B?, N, HK, D] (named ``k_name``)
+    and slot indices [B?, S, HK, T] against q's (attn_dist, sparse_mla);
+    ranks were checked. Returns (N, HK, T)."""
+    kshape = tuple(int(d) for d in k.shape)
+    if batched:
+        kB, N, HK, kD = kshape
+    else:
+        N, HK, kD = kshape
+        kB = B
+    if H < 1:
+        raise ValueError(f"{who}: `q` must have at least one head (H >= 1), got shape {fmt_shape(q.shape)}")
+    if HK < 1 or H % HK != 0:
+        raise ValueError(
+            f"{who}: the number of kv heads HK of `{k_name}` must be >= 1 and divide H = {H} (MLA: HK = 1; "
+            f"head h uses kv head h // (H // HK)), got HK = {HK} ({k_name} shape {fmt_shape(k.shape)})"
+        )
+    if batched and kB != B:
+        raise ValueError(
+            f"{who}: `{k_name}` must have shape [B, N, HK, D] with B = {B} and D = {D} (from `q`), got "
+            f"{fmt_shape(k.shape)}"
+        )
+    if kD != D:
+        raise ValueError(
+            f"{who}: `{k_name}` must have shape [{lead}N, HK, D] with D = {D} (from `q`), got {fmt_shape(k.shape)}"
+        )
+    ishape = tuple(int(d) for d in indices.shape)
+    T = ishape[-1]
+    want_i = ((B,) if batched else ()) + (S, HK, T)
+    if ishape != want_i:
+        raise ValueError(
+            f"{who}: `indices` must have shape [{lead}S, HK, T] = {fmt_shape(want_i)} (S, B from `q`, HK from "
+            f"`{k_name}`), got {fmt_shape(ishape)}"
+        )
+    return N, HK, T

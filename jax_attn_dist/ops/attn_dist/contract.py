@@ -113,43 +113,7 @@ def check_problem(q, k, indices, lse, who: str = "attn_dist") -> Problem:
             f"{who}: `lse` must have dtype float32, got {checks.dtype_name(lse.dtype)}"
         )
 
-    # sizes
-    kshape = tuple(int(d) for d in k.shape)
-    if batched:
-        kB, N, HK, kD = kshape
-    else:
-        N, HK, kD = kshape
-        kB = B
-    if H < 1:
-        raise ValueError(
-            f"{who}: `q` must have at least one head (H >= 1), got shape "
-            f"{checks.fmt_shape(q.shape)}"
-        )
-    if HK < 1 or H % HK != 0:
-        raise ValueError(
-            f"{who}: the number of kv heads HK of `k` must be >= 1 and divide "
-            f"H = {H} (head h uses kv head h // (H // HK)), got HK = {HK} "
-            f"(k shape {checks.fmt_shape(k.shape)})"
-        )
-    if batched and kB != B:
-        raise ValueError(
-            f"{who}: `k` must have shape [B, N, HK, D] with B = {B} and D = {D} "
-            f"(from `q`), got {checks.fmt_shape(k.shape)}"
-        )
-    if kD != D:
-        raise ValueError(
-            f"{who}: `k` must have shape [{lead}N, HK, D] with D = {D} (from "
-            f"`q`), got {checks.fmt_shape(k.shape)}"
-        )
-
-    ishape = tuple(int(d) for d in indices.shape)
-    T = ishape[-1]
-    want_i = ((B,) if batched else ()) + (S, HK, T)
-    if ishape != want_i:
-        raise ValueError(
-            f"{who}: `indices` must have shape [{lead}S, HK, T] = {checks.fmt_shape(want_i)} "
-            f"(S, B from `q`, HK from `k`), got {checks.fmt_shape(ishape)}"
-        )
+    N, HK, T = checks.check_keys_and_indices(who, q, "k", k, indices, batched, B, S, H, D, lead)
     want_l = ((B,) if batched else ()) + (S, H)
     lshape = tuple(int(d) for d in lse.shape)
     if lshape != want_l:

@@ -134,40 +134,7 @@ def check_problem(q, kv, indices, who: str = "sparse_mla") -> Problem:
     qdt = checks.check_operand_dtypes(who, "q", q, "kv", kv)
     checks.check_indices_dtype(who, indices)
 
-    kshape = tuple(int(d) for d in kv.shape)
-    if batched:
-        kB, N, HK, kD = kshape
-    else:
-        N, HK, kD = kshape
-        kB = B
-    if H < 1:
-        raise ValueError(
-            f"{who}: `q` must have at least one head (H >= 1), got shape {checks.fmt_shape(q.shape)}"
-        )
-    if HK < 1 or H % HK != 0:
-        raise ValueError(
-            f"{who}: the number of kv heads HK of `kv` must be >= 1 and divide H = {H} (MLA: HK = 1; head h "
-            f"uses kv head h // (H // HK)), got HK = {HK} (kv shape {checks.fmt_shape(kv.shape)})"
-        )
-    if batched and kB != B:
-        raise ValueError(
-            f"{who}: `kv` must have shape [B, N, HK, D] with B = {B} and D = {D} (from `q`), got "
-            f"{checks.fmt_shape(kv.shape)}"
-        )
-    if kD != D:
-        raise ValueError(
-            f"{who}: `kv` must have shape [{lead}N, HK, D] with D = {D} (from `q`), got "
-            f"{checks.fmt_shape(kv.shape)}"
-        )
-
-    ishape = tuple(int(d) for d in indices.shape)
-    T = ishape[-1]
-    want_i = ((B,) if batched else ()) + (S, HK, T)
-    if ishape != want_i:
-        raise ValueError(
-            f"{who}: `indices` must have shape [{lead}S, HK, T] = {checks.fmt_shape(want_i)} (S, B from `q`, HK "
-            f"from `kv`), got {checks.fmt_shape(ishape)}"
-        )
+    N, HK, T = checks.check_keys_and_indices(who, q, "kv", kv, indices, batched, B, S, H, D, lead)
     return Problem(batched=batched, B=B, S=S, H=H, D=D, N=N, HK=HK, T=T, dtype=qdt)
 
 
