@@ -18,6 +18,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "../common/cta.cuh"
 #include "../common/gather.cuh"
 #include "../common/host.h"
 #include "../common/prefetch.cuh"
@@ -29,59 +30,28 @@ namespace dist {
 
 using namespace cute;
 
-// Where CTA `linear` of the grid works: head tiles fastest, then query
-// tokens, then batch elements.
-struct CtaTile {
-  int batch, s, head_tile;
-};
-
 template <class Cfg>
-__device__ __forceinline__ CtaTile tile_of_cta(const AttnDistParams& p, int linear) {
-  const int num_head_tiles = Cfg::num_head_tiles(p.h_q);
-  CtaTile t;
-  t.head_tile = linear % num_head_tiles;
-  linear /= num_head_tiles;
-  t.s = linear % p.s_q;
-  t.batch = linear / p.s_q;
-  return t;
+__device__ __forceinline__ HeadTileCta tile_of_cta(const AttnDistParams& p, int linear) {
+  return head_tile_cta(linear, Cfg::num_head_tiles(p.h_q), p.s_q);
 }
 
 // Per-CTA facts shared by producer and consumers.
-struct CtaProblem : CtaTile {
+struct CtaProblem : HeadTileCta {
   RowSlots slots;
 };
 
 template <class Cfg>
 __device__ __forceinline__ CtaProblem locate_cta(const AttnDistParams& p) {
   CtaProblem c;
-  static_cast<CtaTile&>(c) = tile_of_cta<Cfg>(p, blockIdx.x);
+  static_cast<HeadTileCta&>(c) = tile_of_cta<Cfg>(p, blockIdx.x);
   c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride,
                            p.row_ranges);
   return c;
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // ---------------------------------------------------------------------------
 // Producer steps (WG2, WG3).
 // ---------------------------------------------------------------------------
-template <class Cfg>
-__device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
-                                              const CtaProblem& c) {
-  constexpr uint32_t kTileBytes = Cfg::HT * kDimTile * sizeof(bf16);
-  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.q_ready[dt], kTileBytes);
-    // Rows past H are zero-filled by TMA; Q is read once, so evict it first.
-    SM90_TMA_LOAD_4D::copy(&tma.q, &plan.q_ready[dt], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                           plan.q + dt * Cfg::HT * kDimTile, dt * kDimTile, c.head_tile * Cfg::HT, c.s,
-                           c.batch);
-  }
-}
-
 // What the CTA that takes this one's place next (kCtasPerSm = 1) reads first:
 // its Q rows (144 KiB at HT = 128, the longest wait of a CTA's start), slot
 // indices and lse, asked for at this CTA's start. The launcher turns it on
@@ -90,7 +60,7 @@ template <class Cfg>
 __device__ __forceinline__ void prefetch_next_cta(const AttnDistParams& p) {
   const int64_t next = int64_t(blockIdx.x) + resident_ctas(kCtasPerSm);
   if (next >= gridDim.x) return;
-  const CtaTile tile = tile_of_cta<Cfg>(p, int(next));
+  const HeadTileCta tile = tile_of_cta<Cfg>(p, int(next));
   const int64_t token = int64_t(tile.batch) * p.s_q + tile.s;
   const int head0 = tile.head_tile * Cfg::HT;
   const int heads = min(Cfg::HT, p.h_q - head0);
@@ -259,8 +229,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Plan = typename Cfg::SharedMemoryPlan;
   extern __shared__ char smem_raw[];
-  Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
-                                        ~uintptr_t(kSmemAlign - 1));
+  Plan& plan = aligned_plan<Plan>(smem_raw);
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
   const CtaProblem cta = locate_cta<Cfg>(params);
@@ -280,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // consumer would wait for it: a CTA must not exit with its TMA in flight.
     if (producer_thread == 0 && cta.slots.num_blocks() > 0) {
       cute::prefetch_tma_descriptor(&tma.q);
-      load_q_by_tma<Cfg>(plan, tma, cta);
+      load_head_tile_by_tma<Cfg::HT, Cfg::kDimTiles>(plan.q, plan.q_ready, &tma.q, cta);
     }
     if (producer_thread == 0 && params.prefetch_next_cta) prefetch_next_cta<Cfg>(params);
     // Producer threads 0 .. kFeeders - 1 feed WG0's ring, the rest WG1's.

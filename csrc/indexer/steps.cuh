@@ -13,6 +13,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "../common/gather.cuh"
+#include "../common/cta.cuh"
 #include "../common/host.h"
 #include "../common/prefetch.cuh"
 #include "../common/slot_validity.cuh"
@@ -25,11 +26,7 @@ using namespace cute;
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ float exp_approx(float x) {  // e^x for x <= 0 (ftz: tiny results flush to 0)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
-  return y;
-}
+__device__ __forceinline__ float exp_approx(float x) { return fast_exp2(x * kLog2e); }  // e^x for x <= 0
 
 __device__ __forceinline__ float log_approx(float x) {  // ln x for x > 0; no ftz: a denormal target keeps its log
   float y;
@@ -253,8 +250,7 @@ __device__ __forceinline__ void quad_sum(float (&partial)[2]) {
 template <class Cfg>
 __device__ __forceinline__ typename Cfg::SharedMemoryPlan& init_plan(char* smem_raw) {
   using Plan = typename Cfg::SharedMemoryPlan;
-  Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
-                                        ~uintptr_t(kSmemAlign - 1));
+  Plan& plan = aligned_plan<Plan>(smem_raw);
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&plan.q_ready, 1);
     Cfg::Ring::init(plan.ring);

@@ -25,6 +25,7 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "../common/cta.cuh"
 #include "../common/host.h"
 #include "../common/slot_validity.cuh"
 #include "select.cuh"
@@ -325,8 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
   using Plan = typename Cfg::SharedMemoryPlan;
-  Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
-                                        ~uintptr_t(kSmemAlign - 1));
+  Plan& plan = aligned_plan<Plan>(smem_raw);
   if (threadIdx.x == 0) {
     for (int i = 0; i < Cfg::kStages; ++i) {
       cutlass::arch::ClusterBarrier::init(&plan.full[i], 1);

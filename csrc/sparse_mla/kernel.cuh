@@ -21,6 +21,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "../common/cta.cuh"
 #include "../common/gather.cuh"
 #include "../common/host.h"
 #include "../common/slot_validity.cuh"
@@ -31,51 +32,23 @@ namespace sparse_mla {
 
 using namespace cute;
 
-// Where CTA `linear` of the grid works: head tiles fastest (the CTAs that
-// gather the same key rows run together), then query tokens, then batch.
-struct CtaProblem {
-  int batch, s, head_tile;
+// Per-CTA facts shared by producer and consumers.
+struct CtaProblem : HeadTileCta {
   RowSlots slots;
 };
 
 template <class Cfg>
 __device__ __forceinline__ CtaProblem locate_cta(const SparseMlaFwdParams& p) {
-  const int num_head_tiles = Cfg::num_head_tiles(p.h_q);
-  int linear = blockIdx.x;
   CtaProblem c;
-  c.head_tile = linear % num_head_tiles;
-  linear /= num_head_tiles;
-  c.s = linear % p.s_q;
-  c.batch = linear / p.s_q;
+  static_cast<HeadTileCta&>(c) = head_tile_cta(blockIdx.x, Cfg::num_head_tiles(p.h_q), p.s_q);
   c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride,
                            p.row_ranges);
   return c;
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // exp2(a - b) for a row max b that may be -inf (no valid slot yet): then
 // every term is 0 and any factor will do.
 __device__ __forceinline__ float exp2_diff(float a, float b) { return b == -INFINITY ? 1.f : fast_exp2(a - b); }
-
-// ---------------------------------------------------------------------------
-// Producer steps (WG2).
-// ---------------------------------------------------------------------------
-template <class Cfg>
-__device__ __forceinline__ void load_q_by_tma(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
-                                              const CtaProblem& c) {
-  constexpr uint32_t kTileBytes = Cfg::HT * kDimTile * sizeof(bf16);
-  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.q_ready[dt], kTileBytes);
-    // Rows past H are zero-filled by TMA; Q is read once, so evict it first.
-    SM90_TMA_LOAD_4D::copy(&tma.q, &plan.q_ready[dt], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                           plan.q + dt * Cfg::HT * kDimTile, dt * kDimTile, c.head_tile * Cfg::HT, c.s, c.batch);
-  }
-}
 
 // ---------------------------------------------------------------------------
 // Consumer steps (WG0, WG1). Accumulator layout (64 x N, f32): thread
@@ -411,8 +384,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Plan = typename Cfg::SharedMemoryPlan;
   extern __shared__ char smem_raw[];
-  Plan& plan = *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
-                                        ~uintptr_t(kSmemAlign - 1));
+  Plan& plan = aligned_plan<Plan>(smem_raw);
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
   const CtaProblem cta = locate_cta<Cfg>(params);
@@ -429,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // A row with no live block needs no Q: a CTA must not exit with its TMA in flight.
     if (thread_in_wg == 0 && cta.slots.num_blocks() > 0) {
       cute::prefetch_tma_descriptor(&tma.q);
-      load_q_by_tma<Cfg>(plan, tma, cta);
+      load_head_tile_by_tma<Cfg::HT, Cfg::kDimTiles>(plan.q, plan.q_ready, &tma.q, cta);
     }
     constexpr int kFeeders = Cfg::Ring::kFeeders;
     const int buffer = thread_in_wg / kFeeders;
