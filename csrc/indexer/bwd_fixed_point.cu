@@ -15,9 +15,6 @@ constexpr int kBoundThreads = 128;
 constexpr int kConvertThreads = 256;
 constexpr int64_t kConvertMaxCtas = 4096;  // a few waves; each CTA strides the rest
 
-// max(a, b) that keeps a NaN (fmaxf drops it): a NaN bound must reach bound_bits.
-__device__ __forceinline__ float nan_keeping_max(float a, float b) { return b > a || b != b ? b : a; }
-
 // One CTA per row: A = sum_t |target| (a fixed-order sum: the same bits every
 // run), R = max_d sum_h |w_h| |q_hd|, and the row's bound max-reduced into
 // bound_bits (an integer max of non-negative float bits: order-free).
