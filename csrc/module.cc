@@ -52,6 +52,7 @@ NB_MODULE(_cuda, m) {
     d[kIndexerBwdTarget] = Capsule(kIndexerBwd);
     d[kIndexerTopkTarget] = Capsule(kIndexerTopk);
     d[kSparseMlaFwdTarget] = Capsule(kSparseMlaFwd);
+    d[kSparseMlaBwdTarget] = Capsule(kSparseMlaBwd);
 #if JAX_ATTN_DIST_TEST_TARGETS
     d[kAttnDistFwdIntoTarget] = Capsule(kAttnDistFwdInto);
     d[kIndexerFwdIntoTarget] = Capsule(kIndexerFwdInto);

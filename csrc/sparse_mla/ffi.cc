@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 
@@ -81,6 +82,111 @@ ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
   return check.Launched(run_sparse_mla_fwd(p, stream, &detail), detail);
 }
 
+int64_t AlignUp(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The backward's workspace, as jax_attn_dist/ops/sparse_mla/contract.py's
+// bwd_workspace_bytes lays it out: the per-head row terms (float32 [B, S,
+// H]); deterministic mode: then the fixed-point sums (int64 [B, N, D]) and
+// 256 bytes holding two words (max |kv| and the bound, as float bits).
+struct BwdWorkspace {
+  int64_t row_terms_bytes, fixed_bytes, total_bytes;
+  BwdWorkspace(int64_t B, int64_t S, int64_t H, int64_t N, int64_t D, bool deterministic) {
+    row_terms_bytes = AlignUp(B * S * H * 4);
+    fixed_bytes = deterministic ? AlignUp(B * N * D * 8) : 0;
+    total_bytes = row_terms_bytes + fixed_bytes + (deterministic ? 256 : 0);
+  }
+};
+
+ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
+                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> row_ranges,
+                            ffi::Buffer<ffi::BF16> out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::BF16> dout,
+                            ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::Buffer<ffi::BF16>> dq,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dkv, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                            float sm_scale, bool causal, int32_t k_stride, bool lse_base_e, bool deterministic) {
+  const Checker check{kSparseMlaBwdTarget};
+  const auto qd = q.dimensions();
+  if (qd.size() != 4) return check.Invalid("q must be rank 4 [B, S, H, D], got " + Shape(qd));
+  const int64_t B = qd[0], S = qd[1], H = qd[2], D = qd[3];
+  const auto kd = kv.dimensions();
+  if (kd.size() != 4) return check.Invalid("kv must be rank 4 [B, N, 1, D], got " + Shape(kd));
+  const int64_t N = kd[1];
+  const auto id = indices.dimensions();
+  if (id.size() != 4) return check.Invalid("indices must be rank 4 [B, S, 1, T], got " + Shape(id));
+  const int64_t T = id[3];
+
+  if (!OneOf(D, kSparseMlaHeadDims))
+    return check.Invalid("the head dim D must be " + OrList(kSparseMlaHeadDims) + ", got " + std::to_string(D));
+  if (auto e = check.Shape("kv", kd, {B, N, 1, D}, "[B, N, 1, D]"); e.failure()) return e;
+  if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
+  if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
+  const int32_t* ranges = nullptr;
+  if (auto e = CheckRowRanges(check, OptionalRanges(row_ranges), B, S, &ranges); e.failure()) return e;
+  for (auto [name, dims] : {std::pair{"out", out.dimensions()}, std::pair{"dout", dout.dimensions()}})
+    if (auto e = check.Shape(name, dims, {B, S, H, kKernelDv}, "[B, S, H, d_v = 512]"); e.failure()) return e;
+  for (auto [name, dims] : {std::pair{"lse", lse.dimensions()}, std::pair{"dlse", dlse.dimensions()}})
+    if (auto e = check.Shape(name, dims, {B, S, H}, "[B, S, H]"); e.failure()) return e;
+  if (auto e = check.Shape("dq", dq->dimensions(), {B, S, H, D}, "[B, S, H, D]"); e.failure()) return e;
+  if (auto e = check.Shape("dkv", dkv->dimensions(), {B, N, 1, D}, "[B, N, 1, D]"); e.failure()) return e;
+  const BwdWorkspace layout(B, S, H, N, D, deterministic);
+  if (int64_t(workspace->size_bytes()) < layout.total_bytes)
+    return check.Invalid("workspace must hold " + std::to_string(layout.total_bytes) + " bytes, got " +
+                         std::to_string(workspace->size_bytes()));
+  if (!(std::isfinite(sm_scale) && sm_scale > 0.f))
+    return check.Invalid("sm_scale must be finite and > 0, got " + std::to_string(sm_scale));
+  if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
+
+  if (dq->element_count() == 0 && dkv->element_count() == 0) return ffi::Error::Success();  // no launch
+  if (dq->element_count() == 0) {  // no query rows: no gradient reaches kv
+    if (cudaMemsetAsync(dkv->untyped_data(), 0, dkv->size_bytes(), stream) != cudaSuccess)
+      return ffi::Error::Internal(std::string(kSparseMlaBwdTarget) + ": cudaMemsetAsync failed");
+    return ffi::Error::Success();
+  }
+
+  const int64_t head_tiles = (H + 63) / 64;
+  if (S > kIntMax || N > kIntMax || T > kIntMax || H > kIntMax || B * S * head_tiles > kIntMax)
+    return check.Invalid("problem too large: B * S * ceil(H / 64), S, N, H and T must be < 2^31");
+  if (!Aligned16(q.untyped_data()) || !Aligned16(kv.untyped_data()) || !Aligned16(out.untyped_data()) ||
+      !Aligned16(dout.untyped_data()) || !Aligned16(dq->untyped_data()) || !Aligned16(dkv->untyped_data()) ||
+      !Aligned16(workspace->untyped_data()))
+    return check.Invalid("q, kv, out, dout, dq, dkv and the workspace must be 16-byte aligned");
+
+  SparseMlaBwdParams p{};
+  p.batch = int(B);
+  p.s_q = int(S);
+  p.s_kv = int(N);
+  p.h_q = int(H);
+  p.d_qk = int(D);
+  p.d_v = int(kKernelDv);
+  p.topk = int(T);
+  p.causal = causal;
+  p.lse_base_e = lse_base_e;
+  p.k_stride = k_stride;
+  p.sm_scale = sm_scale;
+  p.scale_log2 = float(double(sm_scale) * 1.4426950408889634);  // log2(e)
+  p.q = q.untyped_data();
+  p.kv = kv.untyped_data();
+  p.indices = indices.typed_data();
+  p.q_start = q_start.typed_data();
+  p.row_ranges = ranges;
+  p.out = out.untyped_data();
+  p.lse = lse.typed_data();
+  p.dout = dout.untyped_data();
+  p.dlse = dlse.typed_data();
+  p.dq = dq->untyped_data();
+  p.dkv = dkv->typed_data();
+  auto* base = static_cast<char*>(workspace->untyped_data());
+  p.row_delta = reinterpret_cast<float*>(base);
+  if (deterministic) {
+    p.dkv_fixed = reinterpret_cast<long long*>(base + layout.row_terms_bytes);
+    auto* words = reinterpret_cast<unsigned int*>(base + layout.row_terms_bytes + layout.fixed_bytes);
+    p.kv_max_bits = words;
+    p.bound_bits = words + 1;
+  }
+
+  const char* detail = "";
+  return check.Launched(run_sparse_mla_bwd(p, stream, &detail), detail);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaFwd, SparseMlaFwdImpl,
@@ -97,6 +203,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaFwd, SparseMlaFwdImpl,
                                   .Attr<bool>("causal")
                                   .Attr<int32_t>("k_stride")
                                   .Attr<bool>("lse_base_e"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwd, SparseMlaBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // dout
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dlse
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dkv
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<float>("sm_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("k_stride")
+                                  .Attr<bool>("lse_base_e")
+                                  .Attr<bool>("deterministic"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace attn_dist

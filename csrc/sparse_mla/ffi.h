@@ -1,5 +1,5 @@
-// The sparse_mla op's XLA FFI target (sparse_mla/ffi.cc): its name and
-// handler symbol. jax_attn_dist's op contract holds the same name (a test
+// The sparse_mla op's XLA FFI targets (sparse_mla/ffi.cc): their names and
+// handler symbols. jax_attn_dist's op contract holds the same name (a test
 // checks that registrations() offers it).
 #pragma once
 
@@ -12,5 +12,11 @@ namespace attn_dist {
 // [B, S, 3] (SPEC §6, see common/slot_validity.cuh) or [B, S, 0] for none.
 inline constexpr const char* kSparseMlaFwdTarget = "jax_attn_dist_sparse_mla_fwd";
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaFwd);
+
+// (q, kv, indices, q_start, row_ranges, out, lse, dout, dlse) -> (dq, dkv
+// float32, workspace); row_ranges [B, S, 3] or [B, S, 0]; attrs as the
+// forward's plus deterministic.
+inline constexpr const char* kSparseMlaBwdTarget = "jax_attn_dist_sparse_mla_bwd";
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaBwd);
 
 }  // namespace attn_dist

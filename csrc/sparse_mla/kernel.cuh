@@ -26,25 +26,12 @@
 #include "../common/host.h"
 #include "../common/slot_validity.cuh"
 #include "config.h"
+#include "row.cuh"
 
 namespace attn_dist {
 namespace sparse_mla {
 
 using namespace cute;
-
-// Per-CTA facts shared by producer and consumers.
-struct CtaProblem : HeadTileCta {
-  RowSlots slots;
-};
-
-template <class Cfg>
-__device__ __forceinline__ CtaProblem locate_cta(const SparseMlaFwdParams& p) {
-  CtaProblem c;
-  static_cast<HeadTileCta&>(c) = head_tile_cta(blockIdx.x, Cfg::num_head_tiles(p.h_q), p.s_q);
-  c.slots = make_row_slots(p.indices, c.batch, c.s, p.s_q, p.topk, p.s_kv, p.causal, p.q_start, p.k_stride,
-                           p.row_ranges);
-  return c;
-}
 
 // exp2(a - b) for a row max b that may be -inf (no valid slot yet): then
 // every term is 0 and any factor will do.
@@ -55,22 +42,6 @@ __device__ __forceinline__ float exp2_diff(float a, float b) { return b == -INFI
 // (warp w, lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1);
 // acc(4j + 2*rh + e) is row 16w + l/4 + 8rh, column 8j + 2(l%4) + e.
 // ---------------------------------------------------------------------------
-
-// The slot indices of a block that this lane tests (slots lane and lane + 32),
-// loaded before the scores' WGMMAs so that the loads overlap them.
-struct BlockSlots {
-  int32_t lo, hi;
-};
-__device__ __forceinline__ BlockSlots load_block_slots(const RowSlots& slots, int block, int lane) {
-  const int t = block * kBlockTopk + lane;
-  return {slots.load(t), slots.load(t + 32)};
-}
-// Bit c: slot 64 * block + c is valid (the shared rule, common/slot_validity.cuh).
-__device__ __forceinline__ uint64_t valid_slot_mask(const RowSlots& slots, BlockSlots b) {
-  const uint32_t lo = __ballot_sync(0xffffffffu, slots.valid(b.lo));
-  const uint32_t hi = __ballot_sync(0xffffffffu, slots.valid(b.hi));
-  return uint64_t(hi) << 32 | lo;
-}
 
 template <class Cfg>
 __device__ __forceinline__ bf16* p_tile(typename Cfg::SharedMemoryPlan& plan, int buffer) {

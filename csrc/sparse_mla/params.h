@@ -35,3 +35,48 @@ struct SparseMlaFwdParams {
 LaunchStatus run_sparse_mla_fwd(const SparseMlaFwdParams& params, cudaStream_t stream, const char** detail);
 
 }  // namespace attn_dist
+
+namespace attn_dist {
+
+// The sparse MLA backward (docs/SPEC.md §8.3), canonical form as the forward's,
+// plus the forward's out [B, S, H, d_v] bf16 and lse [B, S, H] f32 and the
+// cotangents dout [B, S, H, d_v] bf16 and dlse [B, S, H] f32
+//   ->  dq [B, S, H, D] bf16 and dkv [B, N, 1, D] f32.
+// The workspace (XLA allocates it; sparse_mla/ffi.cc lays it out):
+//   row_delta [B, S, H] f32: rowsum(dout * out) - dlse in base e, per head;
+//   deterministic mode only: dkv_fixed [B, N, D] int64, the fixed-point sums
+//   (common/fixed_point.cuh), and two words: kv_max_bits (max |kv| as float
+//   bits) and bound_bits (the largest per-row bound on dkv's terms).
+struct SparseMlaBwdParams {
+  int batch, s_q, s_kv, h_q, d_qk, d_v, topk;
+
+  bool causal;
+  bool lse_base_e;  // lse (and dlse) are natural-log (else base 2)
+  int k_stride;
+  float sm_scale;
+  float scale_log2;  // sm_scale * log2(e)
+
+  const void* q;           // cutlass::bfloat16_t
+  const void* kv;          // cutlass::bfloat16_t
+  const int32_t* indices;
+  const int32_t* q_start;
+  const int32_t* row_ranges;  // or nullptr
+  const void* out;         // cutlass::bfloat16_t
+  const float* lse;
+  const void* dout;        // cutlass::bfloat16_t
+  const float* dlse;
+
+  void* dq;                // cutlass::bfloat16_t
+  float* dkv;
+  float* row_delta;
+  long long* dkv_fixed;    // nullptr: float32 atomics into dkv
+  unsigned int* kv_max_bits;
+  unsigned int* bound_bits;
+};
+
+// Launches the row preprocess, the main kernel and (deterministic) the
+// bound and conversion kernels on `stream`; zeroes what they accumulate
+// into first. Never synchronises or allocates (sparse_mla/bwd_launch.cu).
+LaunchStatus run_sparse_mla_bwd(const SparseMlaBwdParams& params, cudaStream_t stream, const char** detail);
+
+}  // namespace attn_dist

@@ -1,0 +1,151 @@
+// Tile constants, shared-memory plan, barriers and TMA parameters of the SM90
+// sparse MLA backward kernel (the steps: bwd_kernel.cuh).
+//
+// One CTA per (batch, query token, 64-head tile); 3 warpgroups. Q (64 x D)
+// and dO (64 x 512) stay in shared memory for the whole row; key blocks of
+// 64 top-k slots arrive through one ring of the shared gather pipeline
+// (common/gather.cuh), one block deep (a stage per 64-dim tile). Per block:
+//   WG0  S = Q.K^T, P = exp2(S - lse) into shared memory;
+//   WG1  dP = dO.V^T, then dS = P (dP - delta) sm_scale into shared memory;
+//   both dQ += dS.K over their dim tiles (WG0: 0..3 and the rope tile, WG1:
+//        4..7), releasing the key stages, then the block's dKV = dS^T.Q +
+//        P^T.dO, 64 keys x 64 dims at a time (WG0: the rope tile and value
+//        tiles 0..kWg0ValueTiles-1, WG1 the rest), reduced into the kv
+//        gradient from registers (float32 atomics, or 64-bit fixed-point
+//        integer atomics in the deterministic mode).
+//   WG2  gathers the next block while the consumers work on dKV, and loads
+//        Q and dO by TMA.
+// Shared memory holds exactly one key block: Q, dO, one block and the P and
+// dS tiles take 224 KiB of the 227.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda.h>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include "../common/gather.cuh"
+#include "params.h"
+
+namespace attn_dist {
+namespace sparse_mla {
+
+namespace bwd {
+
+constexpr int kNumConsumers = 2;
+constexpr int kThreads = (kNumConsumers + 1) * kWarpgroupThreads;
+constexpr int kDv = 512;
+constexpr int kValueTiles = kDv / kDimTile;              // 8
+constexpr int kDqTilesPerConsumer = kValueTiles / 2;     // 4 value tiles each; WG0 also the rope
+constexpr int kDqValueDims = kDqTilesPerConsumer * kDimTile;  // 256: the N of a dQ WGMMA
+
+// setmaxnreg budgets (65536 registers for 384 threads). WG0 holds a 64 x 320
+// float dQ (160 registers) beside a 64 x 64 accumulator.
+constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 48;
+static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kWarpgroupThreads <= 65536,
+              "setmaxnreg budgets exceed the register file");
+
+// Named barriers between the consumers (ids above CUTLASS's reserved ones).
+enum Barrier : uint32_t {
+  kPReady = 0,       // WG0 wrote the block's P
+  kDsReady = 1,      // WG1 wrote the block's dS
+  kWg0DkvDone = 2,   // WG0's WGMMAs of the block no longer read P or dS
+  kWg1DkvDone = 3,   // WG1's likewise
+  kDsStored = 4,     // WG1 (alone): all its threads wrote dS
+};
+constexpr uint32_t kPairThreads = kNumConsumers * kWarpgroupThreads;
+
+}  // namespace bwd
+
+// D: head dim of q and kv (512 or 576). HT: heads per CTA (64).
+template <int D_, int HT_, bool kDeterministic_>
+struct BwdConfig {
+  static constexpr int D = D_;
+  static constexpr int HT = HT_;
+  static constexpr bool kDeterministic = kDeterministic_;
+  static_assert(HT == 64, "heads are the M of the WGMMAs: 64 per CTA");
+  static_assert(D % kDimTile == 0 && D >= bwd::kDv, "D must be a multiple of 64 and hold the value dims");
+  static constexpr int kDimTiles = D / kDimTile;
+  static constexpr int kRopeTiles = kDimTiles - bwd::kValueTiles;
+  static_assert(kRopeTiles <= 1, "WG0 holds at most one rope tile of dQ");
+  static __host__ __device__ constexpr int num_head_tiles(int heads) { return (heads + HT - 1) / HT; }
+
+  // The dKV tiles: WG0 takes the rope tile and value tiles 0..kWg0ValueTiles-1
+  // (its S product is longer than WG1's dP by the rope tile), WG1 the rest.
+  static constexpr int kWg0ValueTiles = kRopeTiles ? 3 : 4;
+
+  // One ring, one block deep, read by both consumers.
+  using Ring = GatherRing<kDimTiles, 1, kWarpgroupThreads>;
+
+  // Q and dO: 64 heads x 64-dim tiles, K-major, 128-byte swizzle (TMA-written).
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+      cute::Shape<cute::Int<HT>, cute::Int<kDimTile>, cute::Int<kDimTiles>>{}));
+  using SmemLayoutDO = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+      cute::Shape<cute::Int<HT>, cute::Int<kDimTile>, cute::Int<bwd::kValueTiles>>{}));
+  // One 64 x 64 tile, K-major: P and dS (heads x keys), a stage (keys x dims),
+  // a tile of Q or dO (heads x dims).
+  using SmemLayoutTile = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+                                                      cute::Shape<cute::Int<64>, cute::Int<64>>{}));
+  // The same tile transposed: (column, row), the column contiguous: the
+  // MN-major operand view (P^T and dS^T as A; a stage, Q or dO tile as B).
+  using SmemLayoutTileT = decltype(cute::composition(
+      SmemLayoutTile{}, cute::Layout<cute::Shape<cute::_64, cute::_64>, cute::Stride<cute::_64, cute::_1>>{}));
+  // Four consecutive stages (64 keys x 256 dims, K-major) seen as the (dims,
+  // keys) B operand of dQ += dS.K, dims contiguous.
+  using SmemLayoutK4 = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
+      cute::Shape<cute::Int<kBlockTopk>, cute::Int<bwd::kDqValueDims>>{}, cute::Step<cute::_1, cute::_2>{}));
+  using SmemLayoutK4T = decltype(cute::composition(
+      SmemLayoutK4{}, cute::Layout<cute::Shape<cute::Int<bwd::kDqValueDims>, cute::Int<kBlockTopk>>,
+                                   cute::Stride<cute::Int<kBlockTopk>, cute::_1>>{}));
+
+  // S = Q.K^T and dP = dO.V^T: heads x keys, both operands K-major.
+  using MmaScores = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
+                                       cute::Shape<cute::Int<HT>, cute::Int<kBlockTopk>, cute::Int<kDimTile>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+  // dQ += dS.K: heads x 256 dims (four value tiles) or x 64 (the rope tile).
+  using MmaDq4 = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
+                                       cute::Shape<cute::Int<HT>, cute::Int<bwd::kDqValueDims>, cute::Int<kBlockTopk>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  using MmaDq1 = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
+                                       cute::Shape<cute::Int<HT>, cute::Int<kDimTile>, cute::Int<kBlockTopk>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  // dKV = dS^T.Q + P^T.dO: keys x 64 dims, reduced over the heads; both
+  // operands transposed views (MN-major).
+  using MmaDkv = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
+                                       cute::Shape<cute::Int<kBlockTopk>, cute::Int<kDimTile>, cute::Int<HT>>,
+                                       cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
+
+  static constexpr int kTileElems = 64 * kDimTile;
+
+  struct SharedMemoryPlan {
+    alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
+    alignas(kSmemAlign) bf16 dout[cute::cosize_v<SmemLayoutDO>];
+    alignas(kSmemAlign) bf16 kv[Ring::kRingElems];
+    alignas(kSmemAlign) bf16 p[kTileElems];   // P (bf16), heads x keys
+    alignas(kSmemAlign) bf16 ds[kTileElems];  // dS * sm_scale (bf16), heads x keys
+    typename Ring::Barriers ring;
+    uint64_t q_ready[kDimTiles];             // TMA of Q's dim tile landed
+    uint64_t dout_ready[bwd::kValueTiles];   // TMA of dO's dim tile landed
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment
+  static_assert(kSmemBytes <= kMaxDynamicSmem, "shared-memory plan too large");
+};
+
+// Passed by value as a __grid_constant__ kernel parameter.
+struct BwdTmaParams {
+  CUtensorMap q;     // 4-D (D, H, S, B) bf16, box (64, 64, 1, 1), SWIZZLE_128B
+  CUtensorMap dout;  // 4-D (512, H, S, B), likewise
+};
+
+}  // namespace sparse_mla
+}  // namespace attn_dist

@@ -1,0 +1,81 @@
+// The sparse MLA backward on a stream: zero what is accumulated into, the row
+// terms (and, deterministic, max |kv| and the bound first), the main kernel
+// of the compiled D variant (the table: sparse_mla/variants.h, each variant
+// instantiated in its own generated file), then (deterministic) the
+// conversion of the fixed-point sums.
+#include <cuda_runtime_api.h>
+
+#include "bwd_rows.h"
+#include "params.h"
+#include "variants.h"
+
+namespace attn_dist {
+namespace sparse_mla {
+
+// bwd_config.h and bwd_kernel.cuh define these; the launcher needs only their names.
+template <int D, int HT, bool kDeterministic>
+struct BwdConfig;
+template <class Cfg>
+LaunchStatus run_bwd_variant(const SparseMlaBwdParams& params, cudaStream_t stream, const char** detail);
+
+namespace {
+
+LaunchStatus run_main(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
+  const bool deterministic = p.dkv_fixed != nullptr;
+#define SPARSE_MLA_VARIANT(D, HT)                                                                  \
+  if (p.d_qk == D)                                                                                 \
+    return deterministic ? run_bwd_variant<BwdConfig<D, HT, true>>(p, stream, detail)              \
+                         : run_bwd_variant<BwdConfig<D, HT, false>>(p, stream, detail);
+#include "sparse_mla_variants.inc"
+#undef SPARSE_MLA_VARIANT
+  *detail = KeepMessage("head dim must be " + OrList(kSparseMlaHeadDims));
+  return LaunchStatus::kUnsupportedDim;
+}
+
+LaunchStatus memset_status(cudaError_t err, const char** detail) {
+  if (err == cudaSuccess) return LaunchStatus::kOk;
+  *detail = cudaGetErrorString(err);
+  return LaunchStatus::kLaunchError;
+}
+
+}  // namespace
+}  // namespace sparse_mla
+
+LaunchStatus run_sparse_mla_bwd(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
+  using namespace sparse_mla;
+  if (p.batch < 1 || p.s_q < 1 || p.h_q < 1 || p.topk < 0 || p.s_kv < 0) {
+    *detail = "empty or invalid problem (B, S and H must be >= 1): nothing to launch";
+    return LaunchStatus::kInvalidProblem;
+  }
+  if (p.d_v != 512) {
+    *detail = "the kernel computes d_v = 512 value dims";
+    return LaunchStatus::kInvalidProblem;
+  }
+  const bool deterministic = p.dkv_fixed != nullptr;
+  if (deterministic && (p.bound_bits == nullptr || p.kv_max_bits == nullptr)) {
+    *detail = "the deterministic backward needs its bound words";
+    return LaunchStatus::kInvalidProblem;
+  }
+  const size_t dkv_elems = size_t(p.batch) * size_t(p.s_kv) * size_t(p.d_qk);
+  LaunchStatus s;
+  if (deterministic) {
+    if ((s = memset_status(cudaMemsetAsync(p.dkv_fixed, 0, dkv_elems * sizeof(long long), stream), detail)) !=
+            LaunchStatus::kOk ||
+        (s = memset_status(cudaMemsetAsync(p.kv_max_bits, 0, sizeof(unsigned), stream), detail)) !=
+            LaunchStatus::kOk ||
+        (s = memset_status(cudaMemsetAsync(p.bound_bits, 0, sizeof(unsigned), stream), detail)) !=
+            LaunchStatus::kOk)
+      return s;
+    if (dkv_elems > 0 && (s = launch_kv_max(p, stream, detail)) != LaunchStatus::kOk) return s;
+  } else if (dkv_elems > 0 &&
+             (s = memset_status(cudaMemsetAsync(p.dkv, 0, dkv_elems * sizeof(float), stream), detail)) !=
+                 LaunchStatus::kOk) {
+    return s;
+  }
+  if ((s = launch_row_terms(p, stream, detail)) != LaunchStatus::kOk) return s;
+  if ((s = run_main(p, stream, detail)) != LaunchStatus::kOk) return s;
+  if (deterministic && dkv_elems > 0) return launch_dkv_fixed_to_float(p, stream, detail);
+  return LaunchStatus::kOk;
+}
+
+}  // namespace attn_dist

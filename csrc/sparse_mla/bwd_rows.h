@@ -1,0 +1,25 @@
+// The sparse MLA backward's small kernels around the main one (bwd_rows.cu):
+// the per-head row terms every mode needs, and the deterministic mode's
+// bound and conversion (common/fixed_point.cuh).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "params.h"
+
+namespace attn_dist {
+namespace sparse_mla {
+
+// row_delta = rowsum(dout * out) - dlse (in base e) per (row, head); with
+// dkv_fixed set, also each row's bound on its dkv terms, max-reduced into
+// bound_bits (needs kv_max_bits from launch_kv_max first).
+LaunchStatus launch_row_terms(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);
+
+// max |kv| over every element, as float bits into kv_max_bits (zeroed first).
+LaunchStatus launch_kv_max(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);
+
+// dkv = dkv_fixed * 2^-F (NaN everywhere if a bound or term was not finite).
+LaunchStatus launch_dkv_fixed_to_float(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);
+
+}  // namespace sparse_mla
+}  // namespace attn_dist
