@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [bench-new] [sanitize] [sanitize-det] [sanitize-packed] [sanitize-new] [ncu] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [bench-new] [sanitize] [sanitize-det] [sanitize-packed] [sanitize-new] [sanitize-bwd] [ncu] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 #
@@ -29,7 +29,7 @@ run() {  # name, command...
 }
 GPU_TESTS=(tests/attn_dist/test_gpu.py tests/attn_dist/test_gpu_transforms.py tests/indexer/test_gpu.py
            tests/packing/test_gpu.py tests/package/test_gpu_command_buffers.py tests/package/test_xla_precision.py
-           tests/sparse_mla/test_gpu.py tests/indexer_topk/test_gpu.py)
+           tests/sparse_mla/test_gpu.py tests/sparse_mla/test_gpu_backward.py tests/indexer_topk/test_gpu.py)
 for step in "${steps[@]}"; do
   case $step in
     build)
@@ -103,6 +103,13 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
           run "sanitize-$tool-$mode" compute-sanitizer --tool "$tool" --kernel-name "kns=$name" --error-exitcode 9 \
             python3 tests/support/sanitizer_run.py "$mode"
         done
+      done ;;
+    sanitize-bwd)  # sparse_mla's backward: its main kernel under every tool, all its kernels under memcheck
+      run sanitize-memcheck-sparse_mla_bwd compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 tests/support/sanitizer_run.py sparse_mla_bwd
+      for tool in racecheck synccheck; do
+        run "sanitize-$tool-sparse_mla_bwd" compute-sanitizer --tool "$tool" --kernel-name kns=sparse_mla_bwd_kernel \
+          --error-exitcode 9 python3 tests/support/sanitizer_run.py sparse_mla_bwd
       done ;;
     ncu)
       for shape in v32-h128 v32-h64 idx-v32; do

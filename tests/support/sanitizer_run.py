@@ -8,6 +8,7 @@
     compute-sanitizer --tool memcheck --padding 1048576 python tests/support/sanitizer_run.py ranges
     compute-sanitizer --tool racecheck --kernel-name kns=sparse_mla_fwd_kernel python tests/support/sanitizer_run.py sparse_mla
     compute-sanitizer --tool synccheck --kernel-name kns=indexer_topk_kernel python tests/support/sanitizer_run.py indexer_topk
+    compute-sanitizer --tool memcheck python tests/support/sanitizer_run.py sparse_mla_bwd
 
 attn_dist: partial T, partial H, both head tiles, both D, batched, all-invalid.
 indexer: every head-tile variant (16, 32, 64, 4 x 64), both DI, partial T,
@@ -36,7 +37,11 @@ topk_length, checked against the float64 oracle. indexer_topk: the kernel
 8192-key chunk per row: the multi-pass path) and N 300 causal with per-batch
 q_start (rows with no key, rows with fewer keys than topk), topk 64 and
 2048, and packed calls (a sequence of more than 8192 keys, padding rows),
-each row checked under SPEC 9.3's rule. Exits non-zero if a result is wrong.
+each row checked under SPEC 9.3's rule. sparse_mla_bwd: the backward's
+kernels (row terms, main, and the deterministic mode's bound and
+conversion) on adversarial indices, rows with no valid slot and partial
+head tiles, both D and both modes, gradients checked against the float64
+oracle. Exits non-zero if a result is wrong.
 """
 
 import functools
@@ -183,6 +188,23 @@ def sparse_mla_all_invalid():
     assert np.isneginf(np.asarray(lse)).all(), "all-invalid rows: lse must be -inf"
 
 
+def sparse_mla_bwd_checks():
+    """The backward kernels in both modes: B 2, S 8, H 128 (two head tiles)
+    and H 65 (a partial one), both D, adversarial indices and rows with no
+    valid slot, a first batch element whose first rows see no key, and a
+    packed call with topk_length; gradients against the float64 oracle."""
+    checks = []
+    for D, H, causal in ((576, 128, True), (512, 65, False)):
+        for det in (False, True):
+            def case(D=D, H=H, causal=causal, det=det):
+                q, kv, idx, kw = sparse_mla_cases.make_sparse_mla_inputs(
+                    seed_of("sanitize-mla-bwd", D, causal), B=2, S=8, H=H, D=D, N=300, T=130, causal=causal,
+                    q_start_index="batch", invalid_fraction=0.3, empty_rows=0.25)
+                sparse_mla_cases.check_kernel_grads(q, kv, idx, kw, deterministic=det)
+            checks.append(Named(f"sparse_mla_bwd-b2-s8-h{H}-d{D}-c{int(causal)}-det{int(det)}", case))
+    return checks
+
+
 def indexer_topk_call(topk, iq, ik, w, kw, **packing):
     """indexer_topk on the kernel (jit, q_start_index traced), every row
     checked under SPEC 9.3's rule against the float64 logits."""
@@ -229,6 +251,7 @@ CHECKS = {
     "ranges": (ranges_checks, lambda named: named.fn()),
     "sparse_mla": (sparse_mla_checks, lambda named: named.fn()),
     "indexer_topk": (indexer_topk_checks, lambda named: named.fn()),
+    "sparse_mla_bwd": (sparse_mla_bwd_checks, lambda named: named.fn()),
 }
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import numpy as np
 
 from inputs import INT32_MAX, INT32_MIN
 from jax_attn_dist import oracle, sparse_mla
+from jax_attn_dist.ops.sparse_mla.contract import BWD_FFI_TARGET
 
 #: Every kind of index that selects no key (N is added per problem).
 BAD_INDICES = (INT32_MIN, INT32_MIN + 1, -7, -1, INT32_MAX - 5, INT32_MAX)
@@ -109,3 +110,62 @@ def check_against_oracle(q, kv, idx, kwargs, out, lse, *, out_tol, lse_tol, **pa
     empty = np.isneginf(ref_lse)
     assert np.all(out[empty] == 0.0), "rows with no valid slot must give out = 0 exactly"
     return ref_out, ref_lse
+
+
+#: SPEC §8.3: the backward kernels' dq and dkv against the float64 gradients
+#: (relative Frobenius error; max-abs error relative to the largest entry).
+GRAD_TOL = 5e-3
+GRAD_MAX_TOL = 3e-2
+
+
+def cotangents(seed, q, d_v=512):
+    """dout (bf16) and dlse (f32) of out's and lse's shapes."""
+    rng = np.random.default_rng(seed)
+    lead = q.shape[:-1]
+    dout = jnp.asarray(rng.standard_normal(lead + (d_v,)).astype(np.float32), jnp.bfloat16)
+    dlse = jnp.asarray(rng.standard_normal(lead).astype(np.float32))
+    return dout, dlse
+
+
+def grads(q, kv, idx, kw, dout, dlse, *, deterministic=False, **packing):
+    """(dq, dkv) through the kernels, under jit (array keywords traced); the
+    lowered module must call the backward kernel."""
+    kw = dict(kw, **packing)
+    arrays = {n: kw.pop(n) for n in ("q_start_index", "topk_length", "cu_seqlens_q", "cu_seqlens_k")
+              if n in kw and not isinstance(kw[n], (int, type(None)))}
+
+    def f(q, kv, idx, arrays, dout, dlse):
+        fwd = lambda q, kv: sparse_mla(q, kv, idx, implementation="cuda", deterministic=deterministic,  # noqa: E731
+                                       **kw, **arrays)
+        _, vjp = jax.vjp(fwd, q, kv)
+        return vjp((dout, dlse))
+
+    jf = jax.jit(f)
+    assert BWD_FFI_TARGET in jf.lower(q, kv, idx, arrays, dout, dlse).as_text()
+    return jf(q, kv, idx, arrays, dout, dlse)
+
+
+def check_grads(q, kv, idx, kw, dout, dlse, dq, dkv, **packing):
+    """dq and dkv within GRAD_TOL of the float64 gradients, finite, in the
+    input dtypes; entries that take no gradient exactly 0."""
+    ref_dq, ref_dkv = oracle.sparse_mla_grads_oracle(q, kv, idx, np.asarray(dout, np.float32),
+                                                     np.asarray(dlse, np.float32), **oracle_kwargs(kw),
+                                                     **oracle_kwargs(packing))
+    assert dq.dtype == q.dtype and dkv.dtype == kv.dtype
+    for name, got, ref in (("dq", dq, ref_dq), ("dkv", dkv, ref_dkv)):
+        got = np.asarray(jnp.asarray(got, jnp.float32))
+        assert got.shape == ref.shape, name
+        assert np.isfinite(got).all(), f"{name} has non-finite values"
+        assert np.abs(ref).max() > 0, f"degenerate problem: the oracle's {name} is all 0"
+        rel, mx = oracle.spec_errors(got, ref)
+        assert rel <= GRAD_TOL and mx <= GRAD_MAX_TOL, f"{name}: rel {rel:.3e}, max {mx:.3e}"
+        assert np.all(got[ref == 0] == 0), f"{name}: entries with no gradient must be exactly 0"
+    return ref_dq, ref_dkv
+
+
+def check_kernel_grads(q, kv, idx, kw, *, deterministic=False, seed=0, **packing):
+    """Random cotangents, the kernels' (dq, dkv), checked against the oracle."""
+    dout, dlse = cotangents(seed, q)
+    dq, dkv = grads(q, kv, idx, kw, dout, dlse, deterministic=deterministic, **packing)
+    check_grads(q, kv, idx, kw, dout, dlse, dq, dkv, **packing)
+    return dq, dkv
