@@ -12,10 +12,15 @@
 * All of them take packed sequences (``cu_seqlens_q``/``cu_seqlens_k``) and
   per-row top-k lengths (``topk_length``), docs/SPEC.md §6;
   :func:`cu_seqlens_from_segment_ids` builds the boundaries.
+* :func:`dsa_attention`: the whole DSA attention layer in one call: the
+  top-k, sparse MLA over it and the indexer's KL loss, with each input's
+  gradients from its own output (docs/SPEC.md §10).
 * :func:`kernel_status` says whether the CUDA kernels can run here.
 
 Each op lives in its own package under ``jax_attn_dist.ops``; the machinery
-they share is ``jax_attn_dist._core``. ``python -m jax_attn_dist`` runs a demo.
+they share is ``jax_attn_dist._core``; layers composed of ops (no kernel of
+their own) live under ``jax_attn_dist.layers``. ``python -m jax_attn_dist``
+runs a demo.
 """
 
 from ._core import ext as _ext
@@ -29,6 +34,7 @@ from .ops.indexer_topk import indexer_topk
 from .ops.indexer_topk import kernel_supports as indexer_topk_kernel_supports
 from .ops.sparse_mla import kernel_supports as sparse_mla_kernel_supports
 from .ops.sparse_mla import sparse_mla, sparse_mla_p, sparse_mla_reference
+from .layers.dsa import DsaAttentionOutput, dsa_attention
 
 __version__ = "0.3.0"
 
@@ -45,6 +51,7 @@ def kernel_available() -> bool:
 
 
 __all__ = [
+    "DsaAttentionOutput",
     "HEADS_PER_GROUP",
     "__version__",
     "attn_dist",
@@ -52,6 +59,7 @@ __all__ = [
     "attn_dist_p",
     "attn_dist_reference",
     "cu_seqlens_from_segment_ids",
+    "dsa_attention",
     "indexer_kernel_supports",
     "indexer_kl",
     "indexer_kl_bwd_p",

@@ -19,6 +19,7 @@ from ..attn_dist import contract as attn_contract
 from ..attn_dist.autodiff import attn_dist_canonical
 from . import contract
 from .autodiff import indexer_kl_canonical
+from .reference import target_from_dist
 
 
 def indexer_kl(
@@ -128,9 +129,7 @@ def indexer_loss(
     q, k, indices, lse, q_start = canonicalize(problem, q, k, indices, lse, q_start_index)
     dist = attn_dist_canonical(q, k, indices, lse, q_start, ranges, implementation=implementation,
                                **attn_params.as_dict())                                    # [B, G, S, T]
-    mass = dist.sum(axis=1)                                                                # [B, S, T]
-    total = mass.sum(axis=-1, keepdims=True)
-    target = jax.lax.stop_gradient(jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), 0.0))
+    target = target_from_dist(dist)
     index_q, index_k, weights, _ = canonicalize(index_problem, index_q, index_k, weights, 0)
     kl = indexer_kl_canonical(index_q, index_k, weights, indices, target, q_start, ranges,
                               implementation=implementation, **index_params.as_dict())

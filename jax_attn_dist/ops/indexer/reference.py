@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from ..._core import checks
@@ -38,6 +39,15 @@ def indexer_logits(index_q, index_k, weights, indices, q_start, row_ranges, star
     w = rows_of(weights, start, C).astype(jnp.float32)  # [C, HI]
     logits = jnp.float32(scale) * jnp.einsum("rh,rht->rt", w, jnp.maximum(z, 0.0), precision=HIGHEST)
     return logits, scores.valid[:, 0], z, w, scores
+
+
+def target_from_dist(dist):
+    """SPEC §5.4's target from attn_dist's canonical ``[B, G, S, T]``: the
+    groups summed, each row L1-normalised over its slots (0 where its mass is
+    0), under ``stop_gradient`` (the main attention is not trained by it)."""
+    mass = dist.sum(axis=1)                                                                # [B, S, T]
+    total = mass.sum(axis=-1, keepdims=True)
+    return jax.lax.stop_gradient(jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), 0.0))
 
 
 def teacher(target_rows, valid):
