@@ -220,7 +220,7 @@ def test_the_built_extension_matches_this_checkout():
     if checkout is not None:
         assert module.build_id() == ext.build_id_of(checkout), "the loaded extension is stale: pip install ."
     production = {attn_contract.FFI_TARGET, indexer_contract.FWD_FFI_TARGET, indexer_contract.BWD_FFI_TARGET,
-                  sparse_mla_contract.FFI_TARGET, topk_contract.FFI_TARGET}
+                  sparse_mla_contract.FFI_TARGET, sparse_mla_contract.BWD_FFI_TARGET, topk_contract.FFI_TARGET}
     test_only = {attn_contract.FFI_TEST_TARGET, indexer_contract.FWD_FFI_TEST_TARGET, indexer_contract.BWD_FFI_TEST_TARGET}
     built_test_targets = getattr(module, "test_targets_built", lambda: True)()
     assert set(module.registrations()) == production | (test_only if built_test_targets else set())

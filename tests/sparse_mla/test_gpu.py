@@ -9,7 +9,7 @@ be reused), and each result must match its own inputs' oracle. Covered: head
 counts 1, 64, 65, 128, 200; T 1, 63, 65, 2048; D 512 and 576; both lse
 bases; adversarial indices and rows with no valid slot (out exactly 0, lse
 -inf); packed rows with topk_length; batches with per-batch q_start;
-bitwise determinism; gradients through the kernel's forward.
+bitwise determinism; gradients through the forward and backward kernels.
 """
 
 from __future__ import annotations
@@ -134,8 +134,9 @@ def test_kernel_is_default_on_gpu_and_agrees_with_xla_path():
     assert np.abs(np.asarray(lse)[finite] - np.asarray(xl)[finite]).max() <= LSE_TOL
 
 
-def test_gradients_through_the_kernel_forward():
-    """The kernel's forward with the jnp backward: gradients within bf16
+def test_gradients_through_the_kernels():
+    """The forward kernel and the backward kernel (which implementation="cuda"
+    leaves to None, so it runs where it applies): gradients within bf16
     accuracy of the float64 ones."""
     q, kv, idx, kw = make_sparse_mla_inputs(seed_of("gpu-grad"), S=16, H=64, D=576, N=200, T=64)
     rng = np.random.default_rng(1)

@@ -1,7 +1,7 @@
 """sparse_mla under jax transformations on the CPU: vmap (folded into the
 batch: one primitive, equal to a loop), nested vmap, vmap of the gradient,
-and jax.export for ["cuda", "cpu"] (the CUDA branch holds the kernel's
-custom call, which needs ``DisabledSafetyCheck.custom_call``)."""
+and jax.export for ["cuda", "cpu"] (the CUDA branch holds the kernels'
+custom calls, which need ``DisabledSafetyCheck.custom_call``)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from jax import export
 
 from inputs import seed_of
 from jax_attn_dist import sparse_mla, sparse_mla_p
-from jax_attn_dist.ops.sparse_mla.contract import FFI_TARGET
+from jax_attn_dist.ops.sparse_mla.contract import BWD_FFI_TARGET, FFI_TARGET
 from jaxpr_util import iter_eqns
 from sparse_mla_cases import check_against_oracle, make_sparse_mla_inputs
 
 F32 = jnp.float32
 PLATFORMS = ["cuda", "cpu"]
-ALLOW_KERNEL = [export.DisabledSafetyCheck.custom_call(FFI_TARGET)]
+ALLOW_KERNEL = [export.DisabledSafetyCheck.custom_call(t) for t in (FFI_TARGET, BWD_FFI_TARGET)]
 
 
 def _same(a, b):
@@ -99,6 +99,7 @@ def test_export_training_gradient(cross_lowering):
     g = jax.jit(jax.grad(loss, argnums=(0, 1)))
     exp = export.export(g, platforms=PLATFORMS, disabled_checks=ALLOW_KERNEL)(q, kv, idx, qs)
     assert exp.mlir_module().count(f"stablehlo.custom_call @{FFI_TARGET}(") == 1
+    assert exp.mlir_module().count(f"stablehlo.custom_call @{BWD_FFI_TARGET}(") == 1
     got = export.deserialize(exp.serialize()).call(q, kv, idx, qs)
     want = g(q, kv, idx, qs)
     for a, b in zip(got, want):

@@ -2,11 +2,13 @@
 canonical bind of ``sparse_mla_p`` (SPEC §8.3).
 
 Gradients go to q and kv from the cotangents of both results, ``out`` and
-``lse``. The forward saves its inputs and ``lse`` (float32 [B, S, H]; no
-[B, S, H, T] residual); the backward (``backward.sparse_mla_bwd_canonical``,
-chunked jnp) recomputes the probabilities. ``indices``, ``q_start`` and
-``row_ranges`` are integers: no gradient. Forward mode (``jax.jvp``) is not
-provided.
+``lse``. The forward saves its inputs, ``out`` and ``lse`` (no [B, S, H, T]
+residual: the probabilities are recomputed); the backward is the logical
+primitive ``sparse_mla_bwd_p`` (partitioned like the forward, S- and
+H-shards' dkv psum'ed), lowered to the SM90 backward kernel where it
+applies (its row preprocess reads ``out``) and to the chunked jnp pass
+elsewhere. ``indices``, ``q_start`` and ``row_ranges`` are integers: no
+gradient. Forward mode (``jax.jvp``) is not provided.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ..._core.explicit_axes import dim_specs, run_with_auto_axes
-from .backward import sparse_mla_bwd_canonical
-from .primitive import sparse_mla_p
+from .primitive import sparse_mla_bwd_p, sparse_mla_p
 
 
 def _bind(q, kv, indices, q_start, row_ranges, sm_scale, causal, k_stride, lse_base, d_v, deterministic,
@@ -42,17 +43,19 @@ def _sparse_mla_fwd(q, kv, indices, q_start, row_ranges, sm_scale, causal, k_str
                     implementation):
     out, lse = _bind(q, kv, indices, q_start, row_ranges, sm_scale, causal, k_stride, lse_base, d_v, deterministic,
                      implementation)
-    return (out, lse), (q, kv, indices, q_start, row_ranges, lse)
+    return (out, lse), (q, kv, indices, q_start, row_ranges, out, lse)
 
 
 def _sparse_mla_bwd(sm_scale, causal, k_stride, lse_base, d_v, deterministic, implementation, residuals, cotangents):
-    # the backward is the jnp pass on every platform (``implementation`` picks the forward)
-    q, kv, indices, q_start, row_ranges, lse = residuals
+    # `implementation="cuda"` binds the forward to its kernel; the backward
+    # uses its kernel wherever it applies and the jnp pass elsewhere, so
+    # "cuda" becomes None here.
+    params = dict(sm_scale=sm_scale, causal=causal, k_stride=k_stride, lse_base=lse_base, d_v=d_v,
+                  deterministic=deterministic, implementation=None if implementation == "cuda" else implementation)
+    q, kv = residuals[:2]
     dout, dlse = cotangents
-    bwd = functools.partial(sparse_mla_bwd_canonical, sm_scale=sm_scale, causal=causal, k_stride=k_stride,
-                            lse_base=lse_base, d_v=d_v, deterministic=deterministic)
     dq, dkv = run_with_auto_axes(
-        bwd, (q, kv, indices, q_start, row_ranges, lse, dout, dlse),
+        lambda *a: tuple(sparse_mla_bwd_p.bind(*a, **params)), (*residuals, dout, dlse),
         lambda: tuple(P(*dim_specs(x)) for x in (q, kv)),
     )
     return dq, dkv, None, None, None  # indices, q_start, row_ranges: integer, no gradient

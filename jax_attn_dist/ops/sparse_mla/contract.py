@@ -17,9 +17,10 @@ import numpy as np
 from ..._core import checks
 from .variants import KERNEL_VARIANTS
 
-#: XLA FFI target of the forward kernel (csrc/sparse_mla/). There is no
-#: test-only twin writing into a poisoned output for this op.
+#: XLA FFI targets of the forward and backward kernels (csrc/sparse_mla/).
+#: There is no test-only twin writing into a poisoned output for this op.
 FFI_TARGET = "jax_attn_dist_sparse_mla_fwd"
+BWD_FFI_TARGET = "jax_attn_dist_sparse_mla_bwd"
 
 #: Feature sizes D of q and kv the CUDA kernel is built for (MLA: 512 latent
 #: + 64 rope).
@@ -169,3 +170,30 @@ def kernel_supports(problem: Problem, *, d_v: int = KERNEL_D_V) -> Tuple[bool, s
     if d_v != KERNEL_D_V:
         return False, f"the CUDA kernel takes d_v = {KERNEL_D_V}, got d_v = {d_v}"
     return True, "supported"
+
+
+def bwd_kernel_supports(problem: Problem, *, d_v: int = KERNEL_D_V) -> Tuple[bool, str]:
+    """Whether the backward CUDA kernel serves this problem: the forward
+    kernel's coverage (:func:`kernel_supports`), in either mode
+    (``deterministic``: dkv by exact 64-bit fixed-point sums)."""
+    return kernel_supports(problem, d_v=d_v)
+
+
+def _align(nbytes: int, alignment: int) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+def bwd_workspace_bytes(q_shape, kv_shape, *, deterministic: bool) -> int:
+    """The backward kernel's workspace in bytes, for canonical q [B, S, H, D]
+    and kv [B, N, 1, D] (XLA allocates it; the handler allocates nothing).
+    Layout, each part starting on a 256-byte boundary: the row terms (one
+    float32 per (b, s, h): the row preprocess's rowsum(dout * out) - dlse
+    term), then, when ``deterministic``, the fixed-point sums (one int64 per
+    element of dkv), then 256 bytes of scale words (max |kv| and the rows'
+    largest bound, as float bits: what the scale F is chosen from)."""
+    B, S, H, _ = (int(d) for d in q_shape)
+    _, N, _, D = (int(d) for d in kv_shape)
+    size = _align(B * S * H * 4, 256)
+    if deterministic:
+        size += _align(B * N * D * 8, 256) + 256
+    return size

@@ -11,6 +11,15 @@
 * ``sparse_mla_local_p``, the per-shard primitive: the same operands and
   parameters; its lowering picks the CUDA kernel or the jnp reference
   (``_core/primitives.py``).
+* ``sparse_mla_bwd_p``, the backward's logical primitive: the forward's
+  operands plus the forward's results and their cotangents, out
+  [B,S,H,d_v] (q's dtype), lse [B,S,H] float32, dout [B,S,H,d_v], dlse
+  [B,S,H] -> (dq like q, dkv like kv); the same static parameters. Folded
+  by vmap and partitioned like the forward (S- and H-shards' dkv psum'ed).
+* ``sparse_mla_bwd_local_p``, its per-shard primitive: on CUDA the SM90
+  backward kernel where it applies (the forward kernel's coverage, either
+  mode), elsewhere the chunked jnp backward (``backward.py``, which does not
+  need ``out``).
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from ..._core.explicit_axes import dim_specs
 from ..._core.partitioning import register_partitioned_lowering
 from ..._core.primitives import define_primitive, register_platform_lowerings
 from . import contract
-from .partitioning import PARTITIONING
+from .backward import sparse_mla_bwd_canonical
+from .partitioning import BWD_PARTITIONING, PARTITIONING
 from .reference import reference_canonical
 
 
@@ -37,8 +47,30 @@ def _abstract_eval(q, kv, indices, q_start, row_ranges, *, sm_scale, causal, k_s
             jax.core.ShapedArray(problem.canonical_lse_shape, jnp.float32))
 
 
+def _check_backward_operand(name, x, shape, dtype):
+    """``dtype``: the one dtype required; None: any floating dtype."""
+    dt = jnp.dtype(x.dtype)
+    dtype_ok = jnp.issubdtype(dt, jnp.floating) if dtype is None else dt == jnp.dtype(dtype)
+    if tuple(x.shape) != tuple(shape) or not dtype_ok:
+        want = "floating-point" if dtype is None else jnp.dtype(dtype).name
+        raise ValueError(f"sparse_mla backward: `{name}` must be {want} {list(shape)}, got {dt.name} {list(x.shape)}")
+
+
+def _bwd_abstract_eval(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, *, sm_scale, causal, k_stride,
+                       lse_base, d_v, deterministic, implementation):
+    problem = contract.check_canonical(q, kv, indices, q_start, row_ranges)
+    values, heads = problem.canonical_out_shape(d_v), problem.canonical_lse_shape
+    _check_backward_operand("out", out, values, q.dtype)
+    _check_backward_operand("lse", lse, heads, jnp.float32)
+    _check_backward_operand("dout", dout, values, None)
+    _check_backward_operand("dlse", dlse, heads, None)
+    return jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(kv.shape, kv.dtype)
+
+
 sparse_mla_p = define_primitive("sparse_mla", _abstract_eval, multiple_results=True)
 sparse_mla_local_p = define_primitive("sparse_mla_local", _abstract_eval, multiple_results=True)
+sparse_mla_bwd_p = define_primitive("sparse_mla_bwd", _bwd_abstract_eval, multiple_results=True)
+sparse_mla_bwd_local_p = define_primitive("sparse_mla_bwd_local", _bwd_abstract_eval, multiple_results=True)
 
 
 def _ffi_forward(q, kv, indices, q_start, row_ranges, *, sm_scale, causal, k_stride, lse_base, d_v, deterministic,
@@ -65,15 +97,56 @@ def _ffi_forward(q, kv, indices, q_start, row_ranges, *, sm_scale, causal, k_str
     return out, lse
 
 
+def _ffi_backward(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, *, sm_scale, causal, k_stride,
+                  lse_base, d_v, deterministic, implementation):
+    """The SM90 backward kernel through XLA's FFI (csrc/sparse_mla/): operands
+    Buffer<BF16> q [B,S,H,D], Buffer<BF16> kv [B,N,1,D], Buffer<S32> indices
+    [B,S,1,T], Buffer<S32> q_start [B], Buffer<S32> row_ranges [B,S,3] or
+    [B,S,0], Buffer<BF16> out [B,S,H,512], Buffer<F32> lse [B,S,H],
+    Buffer<BF16> dout [B,S,H,512], Buffer<F32> dlse [B,S,H]; attrs sm_scale
+    f32, causal bool, k_stride int32, lse_base_e bool, deterministic bool;
+    results Buffer<BF16> dq [B,S,H,D], Buffer<F32> dkv [B,N,1,D] (cast to
+    kv's dtype here) and Buffer<U8> workspace
+    [``contract.bwd_workspace_bytes``] (XLA allocates it, the handler
+    allocates nothing)."""
+    del implementation, d_v  # d_v is 512 wherever the kernel is chosen
+    workspace = contract.bwd_workspace_bytes(q.shape, kv.shape, deterministic=deterministic)
+    dq, dkv, _ = jax.ffi.ffi_call(contract.BWD_FFI_TARGET, (
+        jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+        jax.ShapeDtypeStruct(kv.shape, jnp.float32),
+        jax.ShapeDtypeStruct((workspace,), jnp.uint8),
+    ))(q, kv, indices, q_start, row_ranges, out, lse.astype(jnp.float32), dout.astype(jnp.bfloat16),
+       dlse.astype(jnp.float32),
+       sm_scale=np.float32(sm_scale), causal=bool(causal), k_stride=np.int32(k_stride),
+       lse_base_e=bool(lse_base == "e"), deterministic=bool(deterministic))
+    return dq, dkv.astype(kv.dtype)
+
+
+def _backward_jnp(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, **params):
+    del out  # the jnp backward recomputes P: it needs lse alone
+    return sparse_mla_bwd_canonical(q, kv, indices, q_start, row_ranges, lse, dout, dlse, **params)
+
+
 def _out_specs(front):  # out [V, B, S, H, d_v], lse [V, B, S, H]: V, B, S, H as q
     q_spec = dim_specs(front[0])
     return (P(*q_spec[:4], None), P(*q_spec[:4]))
 
 
-ext.declare_ffi_targets(contract.FFI_TARGET)
+def _bwd_out_specs(front):  # dq, dkv: as q and kv
+    return P(*dim_specs(front[0])), P(*dim_specs(front[1]))
+
+
+ext.declare_ffi_targets(contract.FFI_TARGET, contract.BWD_FFI_TARGET)
 register_platform_lowerings(
     sparse_mla_local_p, who="sparse_mla", check=contract.check_canonical, supports=contract.kernel_supports,
     supports_params=("d_v",), jnp_impl=reference_canonical, kernel_impl=_ffi_forward, multiple_results=True,
 )
+register_platform_lowerings(
+    sparse_mla_bwd_local_p, who="sparse_mla backward", check=lambda *avals: contract.check_canonical(*avals[:5]),
+    supports=contract.bwd_kernel_supports, supports_params=("d_v",), jnp_impl=_backward_jnp,
+    kernel_impl=_ffi_backward, multiple_results=True,
+)
 register_partitioned_lowering(sparse_mla_p, sparse_mla_local_p, PARTITIONING)
+register_partitioned_lowering(sparse_mla_bwd_p, sparse_mla_bwd_local_p, BWD_PARTITIONING)
 register_batching(sparse_mla_p, _out_specs)
+register_batching(sparse_mla_bwd_p, _bwd_out_specs)
