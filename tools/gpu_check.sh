@@ -29,7 +29,8 @@ run() {  # name, command...
 }
 GPU_TESTS=(tests/attn_dist/test_gpu.py tests/attn_dist/test_gpu_transforms.py tests/indexer/test_gpu.py
            tests/packing/test_gpu.py tests/package/test_gpu_command_buffers.py tests/package/test_xla_precision.py
-           tests/sparse_mla/test_gpu.py tests/sparse_mla/test_gpu_backward.py tests/indexer_topk/test_gpu.py)
+           tests/sparse_mla/test_gpu.py tests/sparse_mla/test_gpu_backward.py tests/indexer_topk/test_gpu.py
+           tests/dsa/test_gpu.py)
 for step in "${steps[@]}"; do
   case $step in
     build)

@@ -99,6 +99,39 @@ def test_gradient_routing():
         assert bool(jnp.any(via_kl != 0)) != attention, name
 
 
+def test_cuda_lowering_calls_each_kernel_once(cross_lowering):
+    """Lowered for CUDA (no GPU needed): the forward calls the four ops'
+    forward kernels once each; the gradient adds the backward kernels and
+    recomputes no forward (the selection and the target are not
+    differentiated)."""
+    import collections
+    import re
+
+    from jax_attn_dist.ops.attn_dist import contract as attn_contract
+    from jax_attn_dist.ops.indexer import contract as indexer_contract
+    from jax_attn_dist.ops.indexer_topk import contract as topk_contract
+    from jax_attn_dist.ops.sparse_mla import contract as mla_contract
+
+    sds = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    args = (sds((64, 64, 576), bf16), sds((128, 1, 576), bf16), sds((64, 64, 128), bf16), sds((128, 128), bf16),
+            sds((64, 64), jnp.float32))
+    f = lambda *a: dsa_attention(*a, sm_scale=0.1, topk=64, q_start_index=64)  # noqa: E731
+
+    def calls(fn):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return collections.Counter(re.findall(r"stablehlo\.custom_call @(\w+)\(", text))
+
+    forward = {topk_contract.FFI_TARGET: 1, mla_contract.FFI_TARGET: 1, attn_contract.FFI_TARGET: 1,
+               indexer_contract.FWD_FFI_TARGET: 1}
+    assert calls(f) == forward
+    backward = {indexer_contract.BWD_FFI_TARGET: 1}
+    if hasattr(mla_contract, "BWD_FFI_TARGET"):  # the sparse_mla backward kernel, where the op has one
+        backward[mla_contract.BWD_FFI_TARGET] = 1
+    g = jnp.ones((64, 64, 512), jnp.float32)
+    assert calls(layer_loss(f, g)) == {**forward, **backward}
+
+
 def test_empty_problems():
     for S, N in ((0, 20), (12, 0)):
         arrays, kw = make_dsa_inputs(0, **dict(SMALL, S=S, N=N))

@@ -47,7 +47,7 @@ def split_arrays(kw):
 
 
 def composed(q, kv, index_q, index_k, weights, *, sm_scale, topk, d_v, indexer_scale, causal=True, q_start_index=0,
-             k_stride=1, indices=None, implementation="xla", **packing):
+             k_stride=1, deterministic=False, indices=None, implementation="xla", **packing):
     """The layer from the public ops, one call each: ``(out, kl, indices,
     lse)``. ``indices`` given: the selection is skipped (for comparing paths
     whose selections may differ at near-ties)."""
@@ -55,9 +55,10 @@ def composed(q, kv, index_q, index_k, weights, *, sm_scale, topk, d_v, indexer_s
                 **packing)
     if indices is None:
         indices = indexer_topk(index_q, index_k, weights, topk=topk, scale=indexer_scale, **rule)
-    out, lse = sparse_mla(q, kv, indices, sm_scale=sm_scale, d_v=d_v, lse_base="e", **rule)
+    out, lse = sparse_mla(q, kv, indices, sm_scale=sm_scale, d_v=d_v, lse_base="e", deterministic=deterministic,
+                          **rule)
     kl = indexer_loss(q, kv, lse, index_q, index_k, weights, indices, sm_scale=sm_scale, lse_base="e",
-                      scale=indexer_scale, **rule)
+                      scale=indexer_scale, deterministic=deterministic, **rule)
     return out, kl, indices, lse
 
 
