@@ -17,6 +17,11 @@ and §7):
   (``ratio`` = §6 time / plain time); for the indexer also its backward.
 * ``sparse_mla`` shapes (§8, ``mla-*``): the forward kernel and its jnp path
   under XLA (the v32 shapes only). FLOPs = 2*B*S*H*T*(D + d_v).
+* ``dsa-layer-v32`` (§10): the whole layer, ``dsa_attention``'s forward plus
+  backward of ``sum(out * g) + mean(kl)`` on the kernels and with
+  ``implementation="xla"``, with each one's temporaries and its time op by
+  op (top-k, sparse MLA forward, its backward, the indexer loss forward +
+  backward, each timed alone).
 * ``indexer_topk`` shapes (§9, ``topk-*``): the kernel and its jnp path
   under XLA (topk-v32 only); FLOPs = the causal logits GEMM (2*HI*DI per
   visible (row, key), about 2*S*(N - S/2)*HI*DI), and ``floor ms`` those
@@ -56,6 +61,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the per-op modules beside this file
 
 from attn_dist_bench import ATTN_SHAPES, bench_attn_dist  # noqa: E402
+from dsa_bench import DSA_SHAPES, bench_dsa_layer  # noqa: E402
 from indexer_bench import INDEXER_SHAPES, STEPS, bench_indexer, bench_step, xla_indexer_kl  # noqa: E402,F401
 from indexer_topk_bench import TOPK_SHAPES, bench_indexer_topk, logits_flops  # noqa: E402,F401
 from packing_bench import PACKING, bench_packing, packed_layout  # noqa: E402,F401
@@ -64,7 +70,7 @@ from timing import gemm_ceiling, gemm_problem, log  # noqa: E402,F401  (gemm_pro
 
 #: Every row, by name: one line per op family.
 ALL = (list(ATTN_SHAPES) + list(INDEXER_SHAPES) + list(STEPS) + list(PACKING) + list(SPARSE_MLA_SHAPES)
-       + list(TOPK_SHAPES))
+       + list(TOPK_SHAPES) + list(DSA_SHAPES))
 
 
 def git_commit() -> str:
@@ -188,6 +194,8 @@ def main(argv=None) -> int:
             row = bench_packing(name, **opts)
         elif name in SPARSE_MLA_SHAPES:
             row = bench_sparse_mla(name, SPARSE_MLA_SHAPES[name], **opts)
+        elif name in DSA_SHAPES:
+            row = bench_dsa_layer(name, DSA_SHAPES[name], **opts)
         elif name in TOPK_SHAPES:
             row = bench_indexer_topk(name, TOPK_SHAPES[name], **opts)
         else:

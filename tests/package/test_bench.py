@@ -126,3 +126,20 @@ def test_table_has_the_floor_column():
             dict(name="mla-128k-h128", kind="sparse_mla", kernel_ms=4.0, kernel_tflops=560.0, gemm_floor_ms=3.0)]
     text = bench.table(dict(rows=rows))
     assert "floor ms" in text and "0.200" in text and "3.000" in text and "mla-128k-h128" in text
+
+
+def test_dsa_layer_row_on_cpu():
+    """The layer row's code on the jnp path (standing in for the kernels):
+    the layer, its XLA twin and the four parts are timed, the two losses and
+    selections agree, and the row is registered at V3.2's shapes."""
+    assert bench.DSA_SHAPES["dsa-layer-v32"] == (4096, 8192, 128, 576, 512, 2048, 64, 128)
+    assert "dsa-layer-v32" in bench.ALL
+    row = bench.bench_dsa_layer("dsa-layer-v32", (16, 40, 4, 32, 16, 8, 4, 16), calls=1, samples=1,
+                                gemm_tflops=1.0, implementation="xla")
+    assert row["kind"] == "dsa_layer" and row["kernel_ms"] > 0 and row["xla_ms"] > 0
+    from dsa_bench import PARTS
+
+    for key in ("parts_ms", "xla_parts_ms"):
+        assert list(row[key]) == list(PARTS) and all(v > 0 for v in row[key].values())
+    assert row["loss"] == pytest.approx(row["loss_xla"], rel=1e-6) and row["rows_differing_from_xla"] == 0
+    assert "dsa-layer-v32" in bench.table(dict(rows=[row]))

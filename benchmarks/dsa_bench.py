@@ -1,0 +1,122 @@
+"""The whole DSA attention layer's benchmark row (SPEC §10): the forward plus
+backward of ``sum(out * g) + mean(indexer_kl)`` w.r.t. q, kv, index_q,
+index_k and weights through ``dsa_attention``, on the kernels and with
+``implementation="xla"``, each with its temporaries; and the same work op
+by op, each timed alone: the top-k, the sparse MLA forward, its backward
+(applied to saved residuals), and the indexer loss (attn_dist's target plus
+indexer_kl) forward + backward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from timing import extra_memory_bytes, log, time_calls
+
+# name: (S, N, H, D, d_v, topk, HI, DI). V3.2's attention (sparse_mla's
+# mla-v32-h128 shape) with its indexer (idx-v32), causal, q_start = N - S.
+DSA_SHAPES = {
+    "dsa-layer-v32": (4096, 8192, 128, 576, 512, 2048, 64, 128),
+}
+#: The per-op parts, in the layer's order.
+PARTS = ("topk", "sparse_mla_fwd", "sparse_mla_bwd", "indexer_loss_fwd_bwd")
+
+
+def dsa_problem(dims, seed):
+    """(q, kv, index_q, index_k, weights, g) drawn on the device: bf16 normal
+    q and kv; the indexer's inputs as topk_problem draws them; ``g`` the
+    cotangent of ``out``."""
+    S, N, H, D, d_v, _, HI, DI = dims
+    ks = jax.random.split(jax.random.key(seed + 104729), 6)
+    normal = lambda k, shape, scale=1.0: (jax.random.normal(k, shape, jnp.float32) * scale).astype(jnp.bfloat16)  # noqa: E731
+    return (normal(ks[0], (S, H, D)), normal(ks[1], (N, 1, D)), normal(ks[2], (S, HI, DI), DI ** -0.25),
+            normal(ks[3], (N, DI), DI ** -0.25), jax.random.normal(ks[4], (S, HI), jnp.float32) * HI ** -0.5,
+            normal(ks[5], (S, H, d_v)))
+
+
+def layer_keywords(dims):
+    S, N, H, D, d_v, topk, HI, DI = dims
+    return dict(sm_scale=D ** -0.5, topk=topk, d_v=d_v, causal=True, q_start_index=max(N - S, 0))
+
+
+def layer_step(kw, impl):
+    """jit(value_and_grad) of ``sum(out * g) + mean(kl)`` w.r.t. the five inputs."""
+    import jax_attn_dist
+
+    def loss(q, kv, iq, ik, w, g):
+        r = jax_attn_dist.dsa_attention(q, kv, iq, ik, w, implementation=impl, **kw)
+        return jnp.sum(r.out.astype(jnp.float32) * g.astype(jnp.float32)) + jnp.mean(r.indexer_kl)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def time_parts(arg_sets, kw, impl, *, calls, samples):
+    """Each op of the layer alone: ``({part: ms}, the first set's indices)``.
+    The ops take the layer's own intermediate arrays (indices, lse),
+    computed once beforehand."""
+    import jax_attn_dist
+
+    rule = dict(causal=kw["causal"], q_start_index=kw["q_start_index"], implementation=impl)
+    mla_kw = dict(sm_scale=kw["sm_scale"], d_v=kw["d_v"], lse_base="e", **rule)
+    topk = jax.jit(lambda iq, ik, w: jax_attn_dist.indexer_topk(iq, ik, w, topk=kw["topk"], **rule))
+    mla = jax.jit(lambda q, kv, i: jax_attn_dist.sparse_mla(q, kv, i, **mla_kw))
+
+    def loss_step(q, kv, lse, iq, ik, w, i):
+        f = lambda iq, ik, w: jax_attn_dist.indexer_loss(  # noqa: E731
+            q, kv, lse, iq, ik, w, i, sm_scale=kw["sm_scale"], lse_base="e", **rule).mean()
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(iq, ik, w)
+
+    loss_step = jax.jit(loss_step)
+    topk_sets, mla_sets, bwd_sets, loss_sets = [], [], [], []
+    for q, kv, iq, ik, w, g in arg_sets:
+        indices = topk(iq, ik, w)
+        (out, lse), vjp = jax.vjp(lambda q, kv, i=indices: jax_attn_dist.sparse_mla(q, kv, i, **mla_kw), q, kv)
+        topk_sets.append((iq, ik, w))
+        mla_sets.append((q, kv, indices))
+        bwd_sets.append((vjp, (g, jnp.zeros_like(lse))))
+        loss_sets.append((q, kv, lse, iq, ik, w, indices))
+    bwd = jax.jit(lambda vjp, cot: vjp(cot))
+    timed = {"topk": (topk, topk_sets), "sparse_mla_fwd": (mla, mla_sets), "sparse_mla_bwd": (bwd, bwd_sets),
+             "indexer_loss_fwd_bwd": (loss_step, loss_sets)}
+    parts = {part: time_calls(f, sets, calls=calls, samples=samples) * 1e3 for part, (f, sets) in timed.items()}
+    return parts, mla_sets[0][2]
+
+
+def parts_line(parts) -> str:
+    return ", ".join(f"{p} {parts[p]:.2f}" for p in PARTS) + f" (sum {sum(parts.values()):.2f} ms)"
+
+
+def bench_dsa_layer(name, dims, *, calls, samples, gemm_tflops, with_xla=True, implementation="cuda"):
+    """One row. ``implementation`` is the timed path ("cuda"; the CPU tests
+    pass "xla" to run the row's code without a GPU). ``kernel_ms``: the
+    layer's forward + backward; ``parts_ms``: the same ops timed alone."""
+    del gemm_tflops  # no single FLOP count: the layer mixes four ops
+    S, N, H, D, d_v, topk, HI, DI = dims
+    kw = layer_keywords(dims)
+    arg_sets = [dsa_problem(dims, seed) for seed in (0, 1)]
+    row = {"name": name, "kind": "dsa_layer", "S": S, "N": N, "H": H, "D": D, "d_v": d_v, "topk": topk, "HI": HI,
+           "DI": DI}
+
+    step = layer_step(kw, implementation)
+    loss_k, _ = step(*arg_sets[0])
+    t_k = time_calls(step, arg_sets, calls=max(1, calls // 2), samples=samples)
+    parts, indices = time_parts(arg_sets, kw, implementation, calls=calls, samples=samples)
+    row.update(kernel_ms=t_k * 1e3, kernel_extra_bytes=extra_memory_bytes(step, *arg_sets[0]), parts_ms=parts,
+               loss=float(loss_k))
+    log(f"  {name}: layer forward + backward {t_k * 1e3:.2f} ms; by op: {parts_line(parts)}")
+    if with_xla:
+        xla = layer_step(kw, "xla")
+        loss_x, _ = xla(*arg_sets[0])
+        t_x = time_calls(xla, arg_sets, calls=max(1, calls // 4), samples=samples)
+        x_parts, x_indices = time_parts(arg_sets, kw, "xla", calls=max(1, calls // 4), samples=samples)
+        differing = np.any(np.asarray(indices) != np.asarray(x_indices), axis=(-2, -1))
+        row.update(xla_ms=t_x * 1e3, xla_extra_bytes=extra_memory_bytes(xla, *arg_sets[0]), speedup_vs_xla=t_x / t_k,
+                   xla_parts_ms=x_parts, loss_xla=float(loss_x),
+                   # the two selections may differ at near-ties of the cut (SPEC §9.3)
+                   rows_differing_from_xla=int(differing.sum()))
+        log(f"  {name}: XLA forward + backward {t_x * 1e3:.2f} ms ({t_x / t_k:.1f}x); by op: {parts_line(x_parts)}")
+    gb = lambda b: "n/a" if b is None else f"{b / 1e9:.2f} GB"  # noqa: E731
+    log(f"  {name}: temporaries + outputs {gb(row['kernel_extra_bytes'])}"
+        + (f" (XLA {gb(row['xla_extra_bytes'])})" if with_xla else ""))
+    return row
