@@ -65,12 +65,13 @@ from dsa_bench import DSA_SHAPES, bench_dsa_layer  # noqa: E402
 from indexer_bench import INDEXER_SHAPES, STEPS, bench_indexer, bench_step, xla_indexer_kl  # noqa: E402,F401
 from indexer_topk_bench import TOPK_SHAPES, bench_indexer_topk, logits_flops  # noqa: E402,F401
 from packing_bench import PACKING, bench_packing, packed_layout  # noqa: E402,F401
-from sparse_mla_bench import SPARSE_MLA_SHAPES, bench_sparse_mla, sparse_mla_flops  # noqa: E402,F401
+from sparse_mla_bench import (SPARSE_MLA_BWD_SHAPES, SPARSE_MLA_SHAPES, bench_sparse_mla,  # noqa: E402,F401
+                              bench_sparse_mla_bwd, sparse_mla_bwd_flops, sparse_mla_flops)
 from timing import gemm_ceiling, gemm_problem, log  # noqa: E402,F401  (gemm_problem: for callers)
 
 #: Every row, by name: one line per op family.
 ALL = (list(ATTN_SHAPES) + list(INDEXER_SHAPES) + list(STEPS) + list(PACKING) + list(SPARSE_MLA_SHAPES)
-       + list(TOPK_SHAPES) + list(DSA_SHAPES))
+       + list(SPARSE_MLA_BWD_SHAPES) + list(TOPK_SHAPES) + list(DSA_SHAPES))
 
 
 def git_commit() -> str:
@@ -194,6 +195,8 @@ def main(argv=None) -> int:
             row = bench_packing(name, **opts)
         elif name in SPARSE_MLA_SHAPES:
             row = bench_sparse_mla(name, SPARSE_MLA_SHAPES[name], **opts)
+        elif name in SPARSE_MLA_BWD_SHAPES:
+            row = bench_sparse_mla_bwd(name, SPARSE_MLA_BWD_SHAPES[name], **opts)
         elif name in DSA_SHAPES:
             row = bench_dsa_layer(name, DSA_SHAPES[name], **opts)
         elif name in TOPK_SHAPES:

@@ -91,3 +91,81 @@ def bench_sparse_mla(name, dims, *, calls, samples, gemm_tflops, with_xla=True, 
             lse_err_vs_xla=lse_error(lse_k, lse_x),
         )
     return row
+
+
+# name: ((S, N, H, T, D, d_v), deterministic). The backward at SPEC §4's v32 shapes.
+SPARSE_MLA_BWD_SHAPES = {
+    "mla-bwd-v32-h128": ((4096, 8192, 128, 2048, 576, 512), False),
+    "mla-bwd-v32-h64": ((4096, 8192, 64, 2048, 576, 512), False),
+    "mla-bwd-det-v32-h128": ((4096, 8192, 128, 2048, 576, 512), True),
+}
+#: The backward shapes with an XLA row (its jnp backward under XLA autodiff).
+SPARSE_MLA_BWD_XLA_SHAPES = ("mla-bwd-v32-h128",)
+
+
+def sparse_mla_bwd_flops(S, H, T, D, d_v, B=1) -> int:
+    """The backward's GEMMs over every slot: S = QK^T (D), dP = dO V^T (d_v),
+    dQ = dS K (D), dK = dS^T Q (D) and dV = P^T dO (d_v)."""
+    return 2 * B * S * H * T * (3 * D + 2 * d_v)
+
+
+def bench_sparse_mla_bwd(name, spec, *, calls, samples, gemm_tflops, with_xla=True, implementation="cuda"):
+    """One row: the forward plus backward (jax.vjp with cotangents on out and
+    lse) and the forward alone, both timed; the backward's time is their
+    difference (the backward needs the forward's out and lse)."""
+    import jax_attn_dist
+    from jax_attn_dist import oracle
+
+    (S, N, H, T, D, d_v), deterministic = spec
+    sets = [sparse_mla_problem(S, N, H, T, D, d_v, seed) for seed in (0, 1)]
+    kw = dict(sets[0][1], deterministic=deterministic)
+    rng = np.random.default_rng(0)
+    cot = (jnp.asarray(rng.standard_normal((S, H, d_v)).astype(np.float32), jnp.bfloat16),
+           jnp.asarray(rng.standard_normal((S, H)).astype(np.float32)))
+    arg_sets = [a + cot for a, _, _ in sets]
+    flops = sparse_mla_bwd_flops(S, H, T, D, d_v)
+
+    def fwd_bwd(impl):
+        def f(q, kv, i, dout, dlse):
+            _, vjp = jax.vjp(lambda q, kv: jax_attn_dist.sparse_mla(q, kv, i, implementation=impl, **kw), q, kv)
+            return vjp((dout, dlse))
+        return jax.jit(f)
+
+    def fwd(impl):
+        return jax.jit(lambda q, kv, i, dout, dlse: jax_attn_dist.sparse_mla(q, kv, i, implementation=impl, **kw))
+
+    def timed(impl, n_calls):
+        both, alone = fwd_bwd(impl), fwd(impl)
+        grads = both(*arg_sets[0])
+        t_both = time_calls(both, arg_sets, calls=n_calls, samples=samples)
+        t_fwd = time_calls(alone, arg_sets, calls=n_calls, samples=samples)
+        return grads, t_both, t_fwd, extra_memory_bytes(both, *arg_sets[0])
+
+    row = {"name": name, "kind": "sparse_mla_bwd", "S": S, "N": N, "H": H, "T": T, "D": D, "d_v": d_v,
+           "deterministic": deterministic, "flops": flops}
+    (dq, dkv), t_both, t_fwd, extra = timed(implementation, calls)
+    t_k = t_both - t_fwd
+    row.update(
+        kernel_ms=t_k * 1e3,
+        kernel_fwd_bwd_ms=t_both * 1e3,
+        kernel_fwd_ms=t_fwd * 1e3,
+        kernel_tflops=flops / t_k / 1e12,
+        kernel_frac_gemm=flops / t_k / 1e12 / gemm_tflops,
+        gemm_floor_ms=flops / (gemm_tflops * 1e12) * 1e3,
+        kernel_extra_bytes=extra,
+    )
+    if with_xla and name in SPARSE_MLA_BWD_XLA_SHAPES:
+        (xdq, xdkv), x_both, x_fwd, x_extra = timed("xla", max(1, calls // 2))
+        t_x = x_both - x_fwd
+        dq_rel, _ = oracle.spec_errors(jnp.asarray(dq, jnp.float32), jnp.asarray(xdq, jnp.float32))
+        dkv_rel, _ = oracle.spec_errors(jnp.asarray(dkv, jnp.float32), jnp.asarray(xdkv, jnp.float32))
+        row.update(
+            xla_ms=t_x * 1e3,
+            xla_fwd_bwd_ms=x_both * 1e3,
+            xla_tflops=flops / t_x / 1e12,
+            speedup_vs_xla=t_x / t_k,
+            xla_extra_bytes=x_extra,
+            dq_rel_err_vs_xla=dq_rel,
+            dkv_rel_err_vs_xla=dkv_rel,
+        )
+    return row

@@ -41,12 +41,15 @@ constexpr int kValueTiles = kDv / kDimTile;              // 8
 constexpr int kDqTilesPerConsumer = kValueTiles / 2;     // 4 value tiles each; WG0 also the rope
 constexpr int kDqValueDims = kDqTilesPerConsumer * kDimTile;  // 256: the N of a dQ WGMMA
 
-// setmaxnreg budgets (65536 registers for 384 threads). WG0 holds a 64 x 320
-// float dQ (160 registers) beside a 64 x 64 accumulator.
-constexpr int kConsumerRegs = 232;
-constexpr int kProducerRegs = 48;
-static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kWarpgroupThreads <= 65536,
-              "setmaxnreg budgets exceed the register file");
+// setmaxnreg budgets within the launch allocation (65536 / 384 = 170, so 168
+// a thread): WG0 holds a 64 x 320 float dQ (160 registers) beside a 64 x 64
+// accumulator. An increase past the launch allocation would wait forever.
+constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+constexpr int kConsumerRegs = 224;
+constexpr int kProducerRegs = 56;
+static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kWarpgroupThreads <=
+                  kLaunchRegs * kThreads,
+              "setmaxnreg budgets exceed the CTA's register allocation");
 
 // Named barriers between the consumers (ids above CUTLASS's reserved ones).
 enum Barrier : uint32_t {

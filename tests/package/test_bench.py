@@ -107,6 +107,20 @@ def test_sparse_mla_row_on_cpu():
     assert SPARSE_MLA_XLA_SHAPES == ("mla-v32-h128", "mla-v32-h64")
 
 
+def test_sparse_mla_bwd_row_on_cpu():
+    """The backward row's code on the jnp path: both modes run, the FLOPs are
+    the five GEMMs', and the XLA row agrees with the timed path."""
+    assert list(bench.SPARSE_MLA_BWD_SHAPES) == ["mla-bwd-v32-h128", "mla-bwd-v32-h64", "mla-bwd-det-v32-h128"]
+    assert set(bench.SPARSE_MLA_BWD_SHAPES) <= set(bench.ALL)
+    assert bench.sparse_mla_bwd_flops(4096, 128, 2048, 576, 512) == 2 * 4096 * 128 * 2048 * (3 * 576 + 2 * 512)
+    for det in (False, True):
+        row = bench.bench_sparse_mla_bwd("mla-bwd-v32-h128", ((8, 40, 4, 16, 64, 32), det), calls=1, samples=1,
+                                         gemm_tflops=1.0, implementation="xla")
+        assert row["kind"] == "sparse_mla_bwd" and row["deterministic"] == det
+        assert row["kernel_fwd_bwd_ms"] > 0 and row["xla_fwd_bwd_ms"] > 0
+        assert row["dq_rel_err_vs_xla"] < 1e-6 and row["dkv_rel_err_vs_xla"] < 1e-6
+
+
 def test_indexer_topk_row_on_cpu():
     row = bench.bench_indexer_topk("topk-v32", (10, 40, 4, 16, 8), calls=1, samples=1, gemm_tflops=1.0,
                                    implementation="xla")
