@@ -65,7 +65,7 @@ def _shape(x):
     return tuple(int(d) for d in x.shape)
 
 
-def _check_agreement(q, kv, index_q, index_k, weights, batched, B, S, lead):
+def _check_agreement(q, kv, index_q, index_k, batched, B, lead):
     """The attention's and the indexer's arrays describe the same queries
     and keys: the ops' own checks see each side alone."""
     n = int(batched)
@@ -96,10 +96,10 @@ def check_call(q, kv, index_q, index_k, weights, *, sm_scale, topk, d_v, indexer
     with ``dsa_attention``)."""
     for name, x in (("q", q), ("kv", kv), ("index_q", index_q), ("index_k", index_k), ("weights", weights)):
         checks.check_array(name, x, WHO)
-    batched, B, (S, _, _), lead = checks.check_ranks(
+    batched, B, _, lead = checks.check_ranks(
         WHO, "q", q, "S, H, D", [("kv", kv, "N, 1, D", 3), ("index_q", index_q, "S, HI, DI", 3),
                                  ("index_k", index_k, "N, DI", 2), ("weights", weights, "S, HI", 2)])
-    _check_agreement(q, kv, index_q, index_k, weights, batched, B, S, lead)
+    _check_agreement(q, kv, index_q, index_k, batched, B, lead)
     topk = topk_contract.check_topk(topk, WHO)
     indexer_scale = checks.check_sm_scale(indexer_scale, WHO, name="indexer_scale")
     rows = _shape(q)[:int(batched) + 1]  # [B?, S]
