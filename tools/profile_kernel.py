@@ -5,7 +5,10 @@
     ncu --kernel-name kns=indexer_bwd_kernel ... python3 tools/profile_kernel.py idx-v32 bwd-det
 
 An indexer shape takes a second argument: fwd (default), bwd or bwd-det (the
-backward alone, in float32-atomic or deterministic mode).
+backward alone, in float32-atomic or deterministic mode). So does a sparse_mla
+shape (mla-v32-h128, ...):
+
+    ncu --kernel-name kns=sparse_mla_bwd_kernel ... python3 tools/profile_kernel.py mla-v32-h64 bwd
 """
 
 import sys
@@ -14,7 +17,9 @@ import jax
 
 sys.path.insert(0, "benchmarks")
 import jax_attn_dist  # noqa: E402
-from bench import ATTN_SHAPES, INDEXER_SHAPES, indexer_problem  # noqa: E402
+from bench import ATTN_SHAPES, INDEXER_SHAPES, SPARSE_MLA_SHAPES  # noqa: E402
+from indexer_bench import indexer_problem  # noqa: E402
+from sparse_mla_bench import sparse_mla_problem  # noqa: E402
 from jax_attn_dist import synthetic  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "v32-h128"
@@ -29,6 +34,17 @@ if name in INDEXER_SHAPES:
         out, vjp = jax.vjp(fwd, *args[:3])
         g = jax.numpy.full(out.shape, 1.0 / out.size, jax.numpy.float32)
         f, args = jax.jit(lambda vjp, g: vjp(g)), (vjp, g)
+elif name in SPARSE_MLA_SHAPES:
+    args, kw, _ = sparse_mla_problem(*SPARSE_MLA_SHAPES[name], seed=0)
+    which = sys.argv[2] if len(sys.argv) > 2 else "fwd"
+    if which == "fwd":
+        f = jax.jit(lambda *a: jax_attn_dist.sparse_mla(*a, implementation="cuda", **kw))
+    else:
+        fwd = lambda q, kv: jax_attn_dist.sparse_mla(q, kv, args[2], deterministic=which == "bwd-det",  # noqa: E731
+                                                     **kw)
+        (out, lse), vjp = jax.vjp(fwd, *args[:2])
+        cot = (jax.numpy.ones_like(out), jax.numpy.ones_like(lse))
+        f, args = jax.jit(lambda vjp, c: vjp(c)), (vjp, cot)
 else:
     S, N, H, T, D = ATTN_SHAPES[name]
     p = synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=0)
