@@ -1,5 +1,5 @@
 // The SM90 sparse MLA forward kernel and its host launcher (the warp roles
-// and the shared-memory plan: config.h).
+// and the shared-memory plan: config.h; the consumers' steps: steps.cuh).
 //
 // Per block pair (even block in buffer 0, odd block in buffer 1):
 //   WG0: S0 = Q.K0^T; m0 = max(m, row max of S0); publish m0.
@@ -27,176 +27,12 @@
 #include "../common/slot_validity.cuh"
 #include "config.h"
 #include "row.cuh"
+#include "steps.cuh"
 
 namespace attn_dist {
 namespace sparse_mla {
 
 using namespace cute;
-
-// exp2(a - b) for a row max b that may be -inf (no valid slot yet): then
-// every term is 0 and any factor will do.
-__device__ __forceinline__ float exp2_diff(float a, float b) { return b == -INFINITY ? 1.f : fast_exp2(a - b); }
-
-// ---------------------------------------------------------------------------
-// Consumer steps (WG0, WG1). Accumulator layout (64 x N, f32): thread
-// (warp w, lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1);
-// acc(4j + 2*rh + e) is row 16w + l/4 + 8rh, column 8j + 2(l%4) + e.
-// ---------------------------------------------------------------------------
-
-template <class Cfg>
-__device__ __forceinline__ bf16* p_tile(typename Cfg::SharedMemoryPlan& plan, int buffer) {
-  if constexpr (Cfg::kPInRopeTile) return plan.kv[buffer] + (Cfg::kDimTiles - 1) * kBlockTopk * kDimTile;
-  else return plan.p.tile[buffer];
-}
-
-// Stage `dim_tile` of `buffer` has been read by this warpgroup.
-template <class Cfg>
-__device__ __forceinline__ void release(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
-                                        int num_tiles, int lane) {
-  CUTE_UNROLL
-  for (int i = 0; i < num_tiles; ++i) release_stage<typename Cfg::Ring>(plan.ring, buffer, first_tile + i, lane);
-}
-
-template <class Cfg>
-__device__ __forceinline__ void wait_landed(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
-                                            int num_tiles, uint32_t phase) {
-  for (int i = 0; i < num_tiles; ++i) cutlass::arch::ClusterBarrier::wait(&plan.ring.full[buffer][first_tile + i], phase);
-}
-
-// accS = Q . K^T over all dim tiles of `buffer` (issued, not waited for).
-template <class Cfg, class Acc>
-__device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, int buffer, uint32_t phase,
-                                             bool first_block, Acc& accS, int thread) {
-  typename Cfg::MmaQK mma;
-  auto thr = mma.get_slice(thread);
-  Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Cfg::SmemLayoutQ{});                // (64, 64, D/64)
-  Tensor sK = make_tensor(make_smem_ptr(plan.kv[buffer]), typename Cfg::Ring::SmemLayout{});  // (64, 64, D/64)
-  Tensor tQ = thr.partition_fragment_A(sQ);
-  Tensor tK = thr.partition_fragment_B(sK);
-  warpgroup_fence_operand(accS);
-  CUTE_UNROLL
-  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
-    if (first_block) cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready[dt], 0);
-    cutlass::arch::ClusterBarrier::wait(&plan.ring.full[buffer][dt], phase);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tQ); ++kb) {
-      mma.accumulate_ = dt == 0 && kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-      cute::gemm(mma, tQ(_, _, kb, dt), tK(_, _, kb, dt), accS);
-    }
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(accS);
-}
-
-// Invalid slots' scores become -inf, the others are scaled to base 2; returns
-// the block's max of this thread's two rows (quad-reduced).
-template <class Acc>
-__device__ __forceinline__ void mask_scale_row_max(Acc& accS, uint64_t valid, float scale_log2,
-                                                   float (&row_max)[2], int lane) {
-  row_max[0] = row_max[1] = -INFINITY;
-  CUTE_UNROLL
-  for (int j = 0; j < kBlockTopk / 8; ++j)
-    CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh)
-      CUTE_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * (lane % 4) + e;
-        const int i = 4 * j + 2 * rh + e;
-        const float x = (valid >> col) & 1 ? accS(i) * scale_log2 : -INFINITY;
-        accS(i) = x;
-        row_max[rh] = fmaxf(row_max[rh], x);
-      }
-  CUTE_UNROLL
-  for (int rh = 0; rh < 2; ++rh) {
-    row_max[rh] = fmaxf(row_max[rh], __shfl_xor_sync(0xffffffffu, row_max[rh], 1));
-    row_max[rh] = fmaxf(row_max[rh], __shfl_xor_sync(0xffffffffu, row_max[rh], 2));
-  }
-}
-
-// P = exp2(S - max) in place, added to this thread's share of the row sums.
-template <class Acc>
-__device__ __forceinline__ void exponentiate(Acc& accS, const float (&row_max)[2], float (&row_sum)[2]) {
-  float offset[2];
-  CUTE_UNROLL
-  for (int rh = 0; rh < 2; ++rh) offset[rh] = row_max[rh] == -INFINITY ? 0.f : -row_max[rh];
-  CUTE_UNROLL
-  for (int i = 0; i < size(accS); ++i) {
-    const int rh = (i >> 1) & 1;
-    accS(i) = fast_exp2(accS(i) + offset[rh]);
-    row_sum[rh] += accS(i);
-  }
-}
-
-template <class Acc>
-__device__ __forceinline__ void rescale_rows(Acc& acc, const float (&factor)[2]) {
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) acc(i) *= factor[(i >> 1) & 1];
-}
-
-// O[:, half] += P . V over one block: P (64 heads x 64 keys) from its shared
-// tile, V from this consumer's four value tiles of `buffer`.
-template <class Cfg, class AccO>
-__device__ __forceinline__ void issue_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int consumer,
-                                         AccO& accO, int thread) {
-  typename Cfg::MmaPV mma;
-  auto thr = mma.get_slice(thread);
-  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
-  Tensor sV = make_tensor(make_smem_ptr(plan.kv[buffer] + consumer * kVTilesPerConsumer * kBlockTopk * kDimTile),
-                          typename Cfg::SmemLayoutV{});
-  Tensor tP = thr.partition_fragment_A(sP);
-  Tensor tV = thr.partition_fragment_B(sV);
-  warpgroup_fence_operand(accO);
-  warpgroup_arrive();
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma, tP(_, _, kb), tV(_, _, kb), accO);
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(accO);
-}
-
-// What a consumer ends with: its output half, row max and row-sum share.
-template <class Cfg>
-struct ConsumerState {
-  decltype(partition_fragment_C(typename Cfg::MmaPV{}, Shape<Int<Cfg::HT>, Int<kDvPerConsumer>>{})) accO;
-  float row_max[2] = {-INFINITY, -INFINITY};  // base 2; -inf while no valid slot
-  float row_sum[2] = {0.f, 0.f};
-};
-
-using cutlass::arch::NamedBarrier;
-
-// The pair's row max is known: rescale what came before to it, turn this
-// block's scores into P (relative to it) and publish P for both consumers.
-template <class Cfg, class Acc>
-__device__ __forceinline__ void publish_p(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
-                                          Acc& accS, const float (&pair_max)[2], int buffer, uint32_t stored_barrier,
-                                          uint32_t ready_barrier, int warp, int lane) {
-  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
-  exponentiate(accS, pair_max, st.row_sum);
-  const int row0 = 16 * warp + lane / 4;
-  CUTE_UNROLL
-  for (int j = 0; j < kBlockTopk / 8; ++j)
-    CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh) {
-      const int i = 4 * j + 2 * rh;
-      *reinterpret_cast<__nv_bfloat162*>(&sP(row0 + 8 * rh, 8 * j + 2 * (lane % 4))) =
-          __floats2bfloat162_rn(accS(i), accS(i + 1));
-    }
-  cutlass::arch::fence_view_async_shared();  // WGMMAs read P through the async proxy
-  NamedBarrier::arrive(kPairThreads, ready_barrier);          // for the other consumer
-  NamedBarrier::sync(kWarpgroupThreads, stored_barrier);     // for this one's own WGMMA
-}
-
-template <class Cfg>
-__device__ __forceinline__ void rescale_to(ConsumerState<Cfg>& st, const float (&pair_max)[2]) {
-  float factor[2];
-  CUTE_UNROLL
-  for (int rh = 0; rh < 2; ++rh) {
-    factor[rh] = exp2_diff(st.row_max[rh], pair_max[rh]);
-    st.row_sum[rh] *= factor[rh];
-    st.row_max[rh] = pair_max[rh];
-  }
-  rescale_rows(st.accO, factor);
-}
 
 // WG0: the even blocks' scores, output dims 0..255.
 template <class Cfg>

@@ -1,0 +1,303 @@
+// The sparse MLA backward's consumer steps (the loops that call them:
+// bwd_kernel.cuh): the row terms, the WGMMAs of S, dP, dQ and dKV, P and dS
+// through shared memory, and the dKV tiles' reductions into the kv gradient.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "../common/cta.cuh"
+#include "../common/fixed_point.cuh"
+#include "../common/gather.cuh"
+#include "bwd_config.h"
+#include "row.cuh"
+
+namespace attn_dist {
+namespace sparse_mla {
+
+using namespace cute;
+using cutlass::arch::NamedBarrier;
+
+// ---------------------------------------------------------------------------
+// Consumer steps. Accumulator layout (64 x N, f32): thread (warp w, lane l)
+// holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1); acc(4j + 2*rh + e)
+// is row 16w + l/4 + 8rh, column 8j + 2(l%4) + e.
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ int acc_row(int thread, int rh) { return 16 * (thread / 32) + (thread % 32) / 4 + 8 * rh; }
+
+// This thread's two heads' lse in base 2, +inf where the head takes no
+// probability (a non-finite lse, or a head past H): exp2(s - inf) = 0.
+template <class Cfg>
+__device__ __forceinline__ void load_lse2(const SparseMlaBwdParams& p, const CtaProblem& c, int thread,
+                                          float (&lse2)[2]) {
+  const int64_t token = int64_t(c.batch) * p.s_q + c.s;
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    const int head = c.head_tile * Cfg::HT + acc_row(thread, rh);
+    float l = head < p.h_q ? __ldg(p.lse + token * p.h_q + head) : -INFINITY;
+    if (p.lse_base_e) l *= 1.4426950408889634f;  // log2(e)
+    lse2[rh] = fabsf(l) <= FLT_MAX ? l : INFINITY;
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void load_delta(const SparseMlaBwdParams& p, const CtaProblem& c, int thread,
+                                           float (&delta)[2]) {
+  const int64_t token = int64_t(c.batch) * p.s_q + c.s;
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    const int head = c.head_tile * Cfg::HT + acc_row(thread, rh);
+    delta[rh] = head < p.h_q ? p.row_delta[token * p.h_q + head] : 0.f;
+  }
+}
+
+// acc = A.K^T over the first kTiles dim tiles of the block (A: Q or dO, whose
+// tiles land by TMA before the first block); issued and committed, not waited for.
+template <class Cfg, class LayoutA, class Acc>
+__device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, const bf16* a_smem,
+                                             uint64_t* a_ready, uint32_t phase, bool first_block, Acc& acc,
+                                             int thread) {
+  constexpr int kTiles = size<2>(LayoutA{});
+  typename Cfg::MmaScores mma;
+  auto thr = mma.get_slice(thread);
+  Tensor sA = make_tensor(make_smem_ptr(a_smem), LayoutA{});                            // (64, 64, kTiles)
+  Tensor sK = make_tensor(make_smem_ptr(plan.kv), typename Cfg::Ring::SmemLayout{});    // (64, 64, D/64)
+  Tensor tA = thr.partition_fragment_A(sA);
+  Tensor tK = thr.partition_fragment_B(sK);
+  warpgroup_fence_operand(acc);
+  CUTE_UNROLL
+  for (int dt = 0; dt < kTiles; ++dt) {
+    if (first_block) cutlass::arch::ClusterTransactionBarrier::wait(&a_ready[dt], 0);
+    cutlass::arch::ClusterBarrier::wait(&plan.ring.full[0][dt], phase);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tA); ++kb) {
+      mma.accumulate_ = dt == 0 && kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+      cute::gemm(mma, tA(_, _, kb, dt), tK(_, _, kb, dt), acc);
+    }
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(acc);
+}
+
+// S -> P in place: exp2(S scale_log2 - lse2) on valid slots, 0 elsewhere.
+template <class Acc>
+__device__ __forceinline__ void scores_to_p(Acc& acc, uint64_t valid, float scale_log2, const float (&lse2)[2],
+                                            int lane) {
+  CUTE_UNROLL
+  for (int j = 0; j < kBlockTopk / 8; ++j)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh)
+      CUTE_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * (lane % 4) + e;
+        const int i = 4 * j + 2 * rh + e;
+        acc(i) = (valid >> col) & 1 ? fast_exp2(acc(i) * scale_log2 - lse2[rh]) : 0.f;
+      }
+}
+
+// dP -> dS in place from P (read back from its shared tile, where this
+// thread's WG0 twin wrote the same positions): P (dP - delta) sm_scale; 0
+// where P is 0, whatever dP holds.
+template <class Cfg, class Acc>
+__device__ __forceinline__ void dp_to_ds(typename Cfg::SharedMemoryPlan& plan, Acc& acc, const float (&delta)[2],
+                                         float sm_scale, int thread) {
+  Tensor sP = make_tensor(make_smem_ptr(plan.p), typename Cfg::SmemLayoutTile{});
+  const int lane = thread % 32;
+  CUTE_UNROLL
+  for (int j = 0; j < kBlockTopk / 8; ++j)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const int i = 4 * j + 2 * rh;
+      const float2 pr = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(&sP(acc_row(thread, rh), 8 * j + 2 * (lane % 4))));
+      acc(i) = pr.x > 0.f ? pr.x * (acc(i) - delta[rh]) * sm_scale : 0.f;
+      acc(i + 1) = pr.y > 0.f ? pr.y * (acc(i + 1) - delta[rh]) * sm_scale : 0.f;
+    }
+}
+
+// A 64 x 64 accumulator as bf16 into a shared tile (a WGMMA operand), then
+// fenced for the async proxy that the WGMMAs read it through.
+template <class Cfg, class Acc>
+__device__ __forceinline__ void store_tile(bf16* tile, const Acc& acc, int thread) {
+  Tensor s = make_tensor(make_smem_ptr(tile), typename Cfg::SmemLayoutTile{});
+  const int lane = thread % 32;
+  CUTE_UNROLL
+  for (int j = 0; j < kBlockTopk / 8; ++j)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const int i = 4 * j + 2 * rh;
+      *reinterpret_cast<__nv_bfloat162*>(&s(acc_row(thread, rh), 8 * j + 2 * (lane % 4))) =
+          __floats2bfloat162_rn(acc(i), acc(i + 1));
+    }
+  cutlass::arch::fence_view_async_shared();
+}
+
+// dQ[:, four value tiles from first_tile] += dS.K (issued, not committed).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void issue_dq_values(typename Cfg::SharedMemoryPlan& plan, int first_tile, Acc& acc,
+                                                int thread) {
+  typename Cfg::MmaDq4 mma;
+  auto thr = mma.get_slice(thread);
+  Tensor sDs = make_tensor(make_smem_ptr(plan.ds), typename Cfg::SmemLayoutTile{});
+  Tensor sK = make_tensor(make_smem_ptr(plan.kv + first_tile * Cfg::kTileElems), typename Cfg::SmemLayoutK4T{});
+  Tensor tA = thr.partition_fragment_A(sDs);
+  Tensor tB = thr.partition_fragment_B(sK);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(tA); ++kb) cute::gemm(mma, tA(_, _, kb), tB(_, _, kb), acc);
+  warpgroup_fence_operand(acc);
+}
+
+// dQ[:, one tile] += dS.K (the rope tile; issued, not committed).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void issue_dq_tile(typename Cfg::SharedMemoryPlan& plan, int tile, Acc& acc, int thread) {
+  typename Cfg::MmaDq1 mma;
+  auto thr = mma.get_slice(thread);
+  Tensor sDs = make_tensor(make_smem_ptr(plan.ds), typename Cfg::SmemLayoutTile{});
+  Tensor sK = make_tensor(make_smem_ptr(plan.kv + tile * Cfg::kTileElems), typename Cfg::SmemLayoutTileT{});
+  Tensor tA = thr.partition_fragment_A(sDs);
+  Tensor tB = thr.partition_fragment_B(sK);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(tA); ++kb) cute::gemm(mma, tA(_, _, kb), tB(_, _, kb), acc);
+  warpgroup_fence_operand(acc);
+}
+
+// acc = dS^T.Q[:, tile] (+ P^T.dO[:, tile] for a value tile): the block's
+// kv gradient, 64 keys x 64 dims. Issued and committed. (Whether the tile
+// holds values is a template parameter: a branch between the WGMMAs would
+// make ptxas fence the accumulator.)
+template <class Cfg, bool kValueTile, class Acc>
+__device__ __forceinline__ void issue_dkv_tile(typename Cfg::SharedMemoryPlan& plan, int tile, Acc& acc,
+                                               int thread) {
+  typename Cfg::MmaDkv mma;
+  auto thr = mma.get_slice(thread);
+  using LayoutT = typename Cfg::SmemLayoutTileT;
+  Tensor tDs = thr.partition_fragment_A(make_tensor(make_smem_ptr(plan.ds), LayoutT{}));
+  Tensor tQ = thr.partition_fragment_B(make_tensor(make_smem_ptr(plan.q + tile * Cfg::kTileElems), LayoutT{}));
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(tDs); ++kb) {
+    mma.accumulate_ = kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    cute::gemm(mma, tDs(_, _, kb), tQ(_, _, kb), acc);
+  }
+  if constexpr (kValueTile) {
+    Tensor tP = thr.partition_fragment_A(make_tensor(make_smem_ptr(plan.p), LayoutT{}));
+    Tensor tDo =
+        thr.partition_fragment_B(make_tensor(make_smem_ptr(plan.dout + tile * Cfg::kTileElems), LayoutT{}));
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma, tP(_, _, kb), tDo(_, _, kb), acc);
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(acc);
+}
+
+// Where this thread's two dKV rows (slots) go: the element offset of the
+// key's gradient row, or -1 for an invalid slot (nothing is added).
+struct KeyRows {
+  int64_t offset[2];
+};
+
+template <class Cfg>
+__device__ __forceinline__ KeyRows block_key_rows(const SparseMlaBwdParams& p, const CtaProblem& c, int block,
+                                                  int thread) {
+  KeyRows k;
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    const int32_t i = c.slots.load(block * kBlockTopk + acc_row(thread, rh));
+    k.offset[rh] = c.slots.valid(i) ? (int64_t(c.batch) * p.s_kv + i) * Cfg::D : -1;
+  }
+  return k;
+}
+
+__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+
+// Adds a dKV tile into the kv gradient: float32 atomics, or (deterministic)
+// 64-bit fixed-point integer atomics, exact in any order.
+template <class Cfg, class Acc>
+__device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, const Acc& acc, const KeyRows& rows,
+                                                int tile, float two_to_f, int lane) {
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    if (rows.offset[rh] < 0) continue;
+    CUTE_UNROLL
+    for (int j = 0; j < kDimTile / 8; ++j) {
+      const int64_t at = rows.offset[rh] + tile * kDimTile + 8 * j + 2 * (lane % 4);
+      const float x0 = acc(4 * j + 2 * rh), x1 = acc(4 * j + 2 * rh + 1);
+      if constexpr (Cfg::kDeterministic) {
+        if (!(fabsf(x0) <= FLT_MAX && fabsf(x1) <= FLT_MAX)) flag_non_finite(p.bound_bits);
+        auto* dst = reinterpret_cast<unsigned long long*>(p.dkv_fixed + at);
+        atomicAdd(dst, static_cast<unsigned long long>(to_fixed(x0, two_to_f)));
+        atomicAdd(dst + 1, static_cast<unsigned long long>(to_fixed(x1, two_to_f)));
+      } else {
+        red_add_f32x2(p.dkv + at, x0, x1);
+      }
+    }
+  }
+}
+
+// This warpgroup's dKV tiles of the block: the rope tile (with_rope), then
+// value tiles [first_value, first_value + num_values), each computed, waited
+// for and added into the kv gradient. `done_barrier` is arrived at once the
+// last WGMMA that reads P and dS has completed (if another block follows).
+template <class Cfg>
+__device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
+                                          const KeyRows& rows, bool with_rope, int first_value, int num_values,
+                                          bool more_blocks, uint32_t done_barrier, float two_to_f, int thread) {
+  Tensor acc = partition_fragment_C(typename Cfg::MmaDkv{}, Shape<Int<kBlockTopk>, Int<kDimTile>>{});
+  if constexpr (Cfg::kRopeTiles > 0) {
+    if (with_rope) {
+      issue_dkv_tile<Cfg, false>(plan, bwd::kValueTiles, acc, thread);
+      warpgroup_wait<0>();
+      reduce_dkv_tile<Cfg>(p, acc, rows, bwd::kValueTiles, two_to_f, thread % 32);
+    }
+  }
+  CUTE_NO_UNROLL
+  for (int t = 0; t < num_values; ++t) {
+    const int tile = first_value + t;
+    issue_dkv_tile<Cfg, true>(plan, tile, acc, thread);
+    warpgroup_wait<0>();
+    if (t + 1 == num_values && more_blocks) NamedBarrier::arrive(bwd::kPairThreads, done_barrier);
+    reduce_dkv_tile<Cfg>(p, acc, rows, tile, two_to_f, thread % 32);
+  }
+}
+
+// Stages [first, first + n) of the block have been read by this warpgroup.
+template <class Cfg>
+__device__ __forceinline__ void release_stages(typename Cfg::SharedMemoryPlan& plan, int first, int n, int lane) {
+  for (int i = 0; i < n; ++i) release_stage<typename Cfg::Ring>(plan.ring, 0, first + i, lane);
+}
+
+// The consumer's dQ columns: bf16 pairs straight from the accumulator
+// (heads past H are not written).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void store_dq(const SparseMlaBwdParams& p, const CtaProblem& c, const Acc& acc,
+                                         int first_col, int thread) {
+  const int lane = thread % 32;
+  const int64_t token = int64_t(c.batch) * p.s_q + c.s;
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    const int head = c.head_tile * Cfg::HT + acc_row(thread, rh);
+    if (head >= p.h_q) continue;
+    bf16* row = static_cast<bf16*>(p.dq) + (token * p.h_q + head) * Cfg::D + first_col;
+    CUTE_UNROLL
+    for (int j = 0; j < size(acc) / 4; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(row + 8 * j + 2 * (lane % 4)) =
+          __floats2bfloat162_rn(acc(4 * j + 2 * rh), acc(4 * j + 2 * rh + 1));
+  }
+}
+
+}  // namespace sparse_mla
+}  // namespace attn_dist
