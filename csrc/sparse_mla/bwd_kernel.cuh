@@ -62,8 +62,9 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
     store_tile<Cfg>(plan.p, accS, thread);
     NamedBarrier::arrive(bwd::kPairThreads, bwd::kPReady);
     NamedBarrier::sync(bwd::kPairThreads, bwd::kDsReady);
-    issue_dq_values<Cfg>(plan, 0, accDq, thread);
-    if constexpr (Cfg::kRopeTiles > 0) issue_dq_tile<Cfg>(plan, bwd::kValueTiles, accDqRope, thread);
+    issue_dq<Cfg, typename Cfg::MmaDq4, typename Cfg::SmemLayoutK4T>(plan, 0, accDq, thread);
+    if constexpr (Cfg::kRopeTiles > 0)
+      issue_dq<Cfg, typename Cfg::MmaDq1, typename Cfg::SmemLayoutTileT>(plan, bwd::kValueTiles, accDqRope, thread);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     release_stages<Cfg>(plan, 0, bwd::kDqTilesPerConsumer, lane);
@@ -101,7 +102,8 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
     store_tile<Cfg>(plan.ds, accDp, thread);
     NamedBarrier::arrive(bwd::kPairThreads, bwd::kDsReady);
     NamedBarrier::sync(kWarpgroupThreads, bwd::kDsStored);  // for this warpgroup's own WGMMAs
-    issue_dq_values<Cfg>(plan, bwd::kDqTilesPerConsumer, accDq, thread);
+    issue_dq<Cfg, typename Cfg::MmaDq4, typename Cfg::SmemLayoutK4T>(plan, bwd::kDqTilesPerConsumer, accDq,
+                                                                          thread);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     release_stages<Cfg>(plan, bwd::kDqTilesPerConsumer, bwd::kDqTilesPerConsumer, lane);

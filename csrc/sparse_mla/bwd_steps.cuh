@@ -16,6 +16,7 @@
 #include "../common/gather.cuh"
 #include "bwd_config.h"
 #include "row.cuh"
+#include "scores.cuh"
 
 namespace attn_dist {
 namespace sparse_mla {
@@ -63,27 +64,8 @@ template <class Cfg, class LayoutA, class Acc>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, const bf16* a_smem,
                                              uint64_t* a_ready, uint32_t phase, bool first_block, Acc& acc,
                                              int thread) {
-  constexpr int kTiles = size<2>(LayoutA{});
-  typename Cfg::MmaScores mma;
-  auto thr = mma.get_slice(thread);
-  Tensor sA = make_tensor(make_smem_ptr(a_smem), LayoutA{});                            // (64, 64, kTiles)
-  Tensor sK = make_tensor(make_smem_ptr(plan.kv), typename Cfg::Ring::SmemLayout{});    // (64, 64, D/64)
-  Tensor tA = thr.partition_fragment_A(sA);
-  Tensor tK = thr.partition_fragment_B(sK);
-  warpgroup_fence_operand(acc);
-  CUTE_UNROLL
-  for (int dt = 0; dt < kTiles; ++dt) {
-    if (first_block) cutlass::arch::ClusterTransactionBarrier::wait(&a_ready[dt], 0);
-    cutlass::arch::ClusterBarrier::wait(&plan.ring.full[0][dt], phase);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tA); ++kb) {
-      mma.accumulate_ = dt == 0 && kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-      cute::gemm(mma, tA(_, _, kb, dt), tK(_, _, kb, dt), acc);
-    }
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(acc);
+  issue_block_scores<typename Cfg::MmaScores, LayoutA, typename Cfg::Ring::SmemLayout>(
+      a_smem, a_ready, plan.kv, plan.ring.full[0], phase, first_block, acc, thread);
 }
 
 // S -> P in place: exp2(S scale_log2 - lse2) on valid slots, 0 elsewhere.
@@ -139,30 +121,16 @@ __device__ __forceinline__ void store_tile(bf16* tile, const Acc& acc, int threa
   cutlass::arch::fence_view_async_shared();
 }
 
-// dQ[:, four value tiles from first_tile] += dS.K (issued, not committed).
-template <class Cfg, class Acc>
-__device__ __forceinline__ void issue_dq_values(typename Cfg::SharedMemoryPlan& plan, int first_tile, Acc& acc,
-                                                int thread) {
-  typename Cfg::MmaDq4 mma;
+// dQ[:, the dims of the stages from first_tile] += dS.K (issued, not
+// committed): Mma MmaDq4 with LayoutK SmemLayoutK4T (four value tiles), or
+// MmaDq1 with SmemLayoutTileT (the rope tile).
+template <class Cfg, class Mma, class LayoutK, class Acc>
+__device__ __forceinline__ void issue_dq(typename Cfg::SharedMemoryPlan& plan, int first_tile, Acc& acc,
+                                         int thread) {
+  Mma mma;
   auto thr = mma.get_slice(thread);
   Tensor sDs = make_tensor(make_smem_ptr(plan.ds), typename Cfg::SmemLayoutTile{});
-  Tensor sK = make_tensor(make_smem_ptr(plan.kv + first_tile * Cfg::kTileElems), typename Cfg::SmemLayoutK4T{});
-  Tensor tA = thr.partition_fragment_A(sDs);
-  Tensor tB = thr.partition_fragment_B(sK);
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(tA); ++kb) cute::gemm(mma, tA(_, _, kb), tB(_, _, kb), acc);
-  warpgroup_fence_operand(acc);
-}
-
-// dQ[:, one tile] += dS.K (the rope tile; issued, not committed).
-template <class Cfg, class Acc>
-__device__ __forceinline__ void issue_dq_tile(typename Cfg::SharedMemoryPlan& plan, int tile, Acc& acc, int thread) {
-  typename Cfg::MmaDq1 mma;
-  auto thr = mma.get_slice(thread);
-  Tensor sDs = make_tensor(make_smem_ptr(plan.ds), typename Cfg::SmemLayoutTile{});
-  Tensor sK = make_tensor(make_smem_ptr(plan.kv + tile * Cfg::kTileElems), typename Cfg::SmemLayoutTileT{});
+  Tensor sK = make_tensor(make_smem_ptr(plan.kv + first_tile * Cfg::kTileElems), LayoutK{});
   Tensor tA = thr.partition_fragment_A(sDs);
   Tensor tB = thr.partition_fragment_B(sK);
   warpgroup_fence_operand(acc);

@@ -13,6 +13,7 @@
 #include "../common/cta.cuh"
 #include "../common/gather.cuh"
 #include "config.h"
+#include "scores.cuh"
 
 namespace attn_dist {
 namespace sparse_mla {
@@ -53,26 +54,8 @@ __device__ __forceinline__ void wait_landed(typename Cfg::SharedMemoryPlan& plan
 template <class Cfg, class Acc>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, int buffer, uint32_t phase,
                                              bool first_block, Acc& accS, int thread) {
-  typename Cfg::MmaQK mma;
-  auto thr = mma.get_slice(thread);
-  Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Cfg::SmemLayoutQ{});                // (64, 64, D/64)
-  Tensor sK = make_tensor(make_smem_ptr(plan.kv[buffer]), typename Cfg::Ring::SmemLayout{});  // (64, 64, D/64)
-  Tensor tQ = thr.partition_fragment_A(sQ);
-  Tensor tK = thr.partition_fragment_B(sK);
-  warpgroup_fence_operand(accS);
-  CUTE_UNROLL
-  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
-    if (first_block) cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready[dt], 0);
-    cutlass::arch::ClusterBarrier::wait(&plan.ring.full[buffer][dt], phase);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tQ); ++kb) {
-      mma.accumulate_ = dt == 0 && kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-      cute::gemm(mma, tQ(_, _, kb, dt), tK(_, _, kb, dt), accS);
-    }
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(accS);
+  issue_block_scores<typename Cfg::MmaQK, typename Cfg::SmemLayoutQ, typename Cfg::Ring::SmemLayout>(
+      plan.q, plan.q_ready, plan.kv[buffer], plan.ring.full[buffer], phase, first_block, accS, thread);
 }
 
 // Invalid slots' scores become -inf, the others are scaled to base 2; returns
