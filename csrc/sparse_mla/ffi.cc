@@ -1,5 +1,5 @@
-// The sparse_mla op's XLA FFI handler: re-validate what Python checked at
-// trace time, then launch. Errors are returned as ffi::Error, never aborts;
+// The sparse_mla op's XLA FFI handlers (forward, backward): re-validate what
+// Python checked at trace time, then launch. Errors are returned as ffi::Error, never aborts;
 // no host synchronisation and no allocation, so XLA may capture the calls in
 // CUDA graphs.
 #include "ffi.h"
@@ -21,51 +21,58 @@ namespace {
 
 constexpr int64_t kKernelDv = 512;
 
-ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
-                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start, OptionalRanges row_ranges,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                            float sm_scale, bool causal, int32_t k_stride, bool lse_base_e) {
-  const Checker check{kSparseMlaFwdTarget};
+// What both handlers take first (q, kv, indices, q_start, row_ranges) and the
+// attributes they share, checked; the sizes of the problem.
+struct RowProblem {
+  int64_t B, S, H, D, N, T;
+  const int32_t* ranges;
+};
+
+ffi::Error CheckRowOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& q, const ffi::Buffer<ffi::BF16>& kv,
+                            const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::S32>& q_start,
+                            const OptionalRanges& row_ranges, float sm_scale, int32_t k_stride, RowProblem* r) {
   const auto qd = q.dimensions();
   if (qd.size() != 4) return check.Invalid("q must be rank 4 [B, S, H, D], got " + Shape(qd));
-  const int64_t B = qd[0], S = qd[1], H = qd[2], D = qd[3];
+  r->B = qd[0], r->S = qd[1], r->H = qd[2], r->D = qd[3];
   const auto kd = kv.dimensions();
   if (kd.size() != 4) return check.Invalid("kv must be rank 4 [B, N, 1, D], got " + Shape(kd));
-  const int64_t N = kd[1];
+  r->N = kd[1];
   const auto id = indices.dimensions();
   if (id.size() != 4) return check.Invalid("indices must be rank 4 [B, S, 1, T], got " + Shape(id));
-  const int64_t T = id[3];
-
-  if (!OneOf(D, kSparseMlaHeadDims))
-    return check.Invalid("the head dim D must be " + OrList(kSparseMlaHeadDims) + ", got " + std::to_string(D));
-  if (auto e = check.Shape("kv", kd, {B, N, 1, D}, "[B, N, 1, D]"); e.failure()) return e;
-  if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
+  r->T = id[3];
+  const int64_t B = r->B, S = r->S;
+  if (!OneOf(r->D, kSparseMlaHeadDims))
+    return check.Invalid("the head dim D must be " + OrList(kSparseMlaHeadDims) + ", got " + std::to_string(r->D));
+  if (auto e = check.Shape("kv", kd, {B, r->N, 1, r->D}, "[B, N, 1, D]"); e.failure()) return e;
+  if (auto e = check.Shape("indices", id, {B, S, 1, r->T}, "[B, S, 1, T]"); e.failure()) return e;
   if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
-  const int32_t* ranges = nullptr;
-  if (auto e = CheckRowRanges(check, row_ranges, B, S, &ranges); e.failure()) return e;
-  if (auto e = check.Shape("out", out->dimensions(), {B, S, H, kKernelDv}, "[B, S, H, d_v = 512]"); e.failure())
-    return e;
-  if (auto e = check.Shape("lse", lse->dimensions(), {B, S, H}, "[B, S, H]"); e.failure()) return e;
+  if (auto e = CheckRowRanges(check, row_ranges, B, S, &r->ranges); e.failure()) return e;
   if (!(std::isfinite(sm_scale) && sm_scale > 0.f))
     return check.Invalid("sm_scale must be finite and > 0, got " + std::to_string(sm_scale));
   if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
+  return ffi::Error::Success();
+}
 
-  if (lse->element_count() == 0) return ffi::Error::Success();  // nothing to write, no launch
-
-  const int64_t head_tiles = (H + 63) / 64;
-  if (S > kIntMax || N > kIntMax || T > kIntMax || H > kIntMax || B * S * head_tiles > kIntMax)
+// The launch limits both kernels share (one CTA per row and 64-head tile).
+ffi::Error CheckLaunchSize(const Checker& check, const RowProblem& r) {
+  const int64_t head_tiles = (r.H + 63) / 64;
+  if (r.S > kIntMax || r.N > kIntMax || r.T > kIntMax || r.H > kIntMax || r.B * r.S * head_tiles > kIntMax)
     return check.Invalid("problem too large: B * S * ceil(H / 64), S, N, H and T must be < 2^31");
-  if (!Aligned16(q.untyped_data()) || !Aligned16(kv.untyped_data()) || !Aligned16(out->untyped_data()))
-    return check.Invalid("q, kv and out must be 16-byte aligned");
+  return ffi::Error::Success();
+}
 
-  SparseMlaFwdParams p{};
-  p.batch = int(B);
-  p.s_q = int(S);
-  p.s_kv = int(N);
-  p.h_q = int(H);
-  p.d_qk = int(D);
+// The fields SparseMlaFwdParams and SparseMlaBwdParams share.
+template <class Params>
+void SetRowParams(Params& p, const RowProblem& r, const ffi::Buffer<ffi::BF16>& q, const ffi::Buffer<ffi::BF16>& kv,
+                  const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::S32>& q_start, float sm_scale,
+                  bool causal, int32_t k_stride, bool lse_base_e) {
+  p.batch = int(r.B);
+  p.s_q = int(r.S);
+  p.s_kv = int(r.N);
+  p.h_q = int(r.H);
+  p.d_qk = int(r.D);
   p.d_v = int(kKernelDv);
-  p.topk = int(T);
+  p.topk = int(r.T);
   p.causal = causal;
   p.lse_base_e = lse_base_e;
   p.k_stride = k_stride;
@@ -74,7 +81,30 @@ ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
   p.kv = kv.untyped_data();
   p.indices = indices.typed_data();
   p.q_start = q_start.typed_data();
-  p.row_ranges = ranges;
+  p.row_ranges = r.ranges;
+}
+
+ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
+                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start, OptionalRanges row_ranges,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                            float sm_scale, bool causal, int32_t k_stride, bool lse_base_e) {
+  const Checker check{kSparseMlaFwdTarget};
+  RowProblem r{};
+  if (auto e = CheckRowOperands(check, q, kv, indices, q_start, row_ranges, sm_scale, k_stride, &r); e.failure())
+    return e;
+  if (auto e = check.Shape("out", out->dimensions(), {r.B, r.S, r.H, kKernelDv}, "[B, S, H, d_v = 512]");
+      e.failure())
+    return e;
+  if (auto e = check.Shape("lse", lse->dimensions(), {r.B, r.S, r.H}, "[B, S, H]"); e.failure()) return e;
+
+  if (lse->element_count() == 0) return ffi::Error::Success();  // nothing to write, no launch
+
+  if (auto e = CheckLaunchSize(check, r); e.failure()) return e;
+  if (!Aligned16(q.untyped_data()) || !Aligned16(kv.untyped_data()) || !Aligned16(out->untyped_data()))
+    return check.Invalid("q, kv and out must be 16-byte aligned");
+
+  SparseMlaFwdParams p{};
+  SetRowParams(p, r, q, kv, indices, q_start, sm_scale, causal, k_stride, lse_base_e);
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
 
@@ -90,50 +120,35 @@ int64_t AlignUp(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 // 256 bytes holding two words (max |kv| and the bound, as float bits).
 struct BwdWorkspace {
   int64_t row_terms_bytes, fixed_bytes, total_bytes;
-  BwdWorkspace(int64_t B, int64_t S, int64_t H, int64_t N, int64_t D, bool deterministic) {
-    row_terms_bytes = AlignUp(B * S * H * 4);
-    fixed_bytes = deterministic ? AlignUp(B * N * D * 8) : 0;
+  BwdWorkspace(const RowProblem& r, bool deterministic) {
+    row_terms_bytes = AlignUp(r.B * r.S * r.H * 4);
+    fixed_bytes = deterministic ? AlignUp(r.B * r.N * r.D * 8) : 0;
     total_bytes = row_terms_bytes + fixed_bytes + (deterministic ? 256 : 0);
   }
 };
 
 ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
-                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> row_ranges,
-                            ffi::Buffer<ffi::BF16> out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::BF16> dout,
-                            ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::Buffer<ffi::BF16>> dq,
-                            ffi::Result<ffi::Buffer<ffi::F32>> dkv, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                            float sm_scale, bool causal, int32_t k_stride, bool lse_base_e, bool deterministic) {
+                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+                            ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::BF16> out, ffi::Buffer<ffi::F32> lse,
+                            ffi::Buffer<ffi::BF16> dout, ffi::Buffer<ffi::F32> dlse,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> dq, ffi::Result<ffi::Buffer<ffi::F32>> dkv,
+                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, float sm_scale, bool causal,
+                            int32_t k_stride, bool lse_base_e, bool deterministic) {
   const Checker check{kSparseMlaBwdTarget};
-  const auto qd = q.dimensions();
-  if (qd.size() != 4) return check.Invalid("q must be rank 4 [B, S, H, D], got " + Shape(qd));
-  const int64_t B = qd[0], S = qd[1], H = qd[2], D = qd[3];
-  const auto kd = kv.dimensions();
-  if (kd.size() != 4) return check.Invalid("kv must be rank 4 [B, N, 1, D], got " + Shape(kd));
-  const int64_t N = kd[1];
-  const auto id = indices.dimensions();
-  if (id.size() != 4) return check.Invalid("indices must be rank 4 [B, S, 1, T], got " + Shape(id));
-  const int64_t T = id[3];
-
-  if (!OneOf(D, kSparseMlaHeadDims))
-    return check.Invalid("the head dim D must be " + OrList(kSparseMlaHeadDims) + ", got " + std::to_string(D));
-  if (auto e = check.Shape("kv", kd, {B, N, 1, D}, "[B, N, 1, D]"); e.failure()) return e;
-  if (auto e = check.Shape("indices", id, {B, S, 1, T}, "[B, S, 1, T]"); e.failure()) return e;
-  if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
-  const int32_t* ranges = nullptr;
-  if (auto e = CheckRowRanges(check, OptionalRanges(row_ranges), B, S, &ranges); e.failure()) return e;
+  RowProblem r{};
+  if (auto e = CheckRowOperands(check, q, kv, indices, q_start, OptionalRanges(row_ranges), sm_scale, k_stride, &r);
+      e.failure())
+    return e;
   for (auto [name, dims] : {std::pair{"out", out.dimensions()}, std::pair{"dout", dout.dimensions()}})
-    if (auto e = check.Shape(name, dims, {B, S, H, kKernelDv}, "[B, S, H, d_v = 512]"); e.failure()) return e;
+    if (auto e = check.Shape(name, dims, {r.B, r.S, r.H, kKernelDv}, "[B, S, H, d_v = 512]"); e.failure()) return e;
   for (auto [name, dims] : {std::pair{"lse", lse.dimensions()}, std::pair{"dlse", dlse.dimensions()}})
-    if (auto e = check.Shape(name, dims, {B, S, H}, "[B, S, H]"); e.failure()) return e;
-  if (auto e = check.Shape("dq", dq->dimensions(), {B, S, H, D}, "[B, S, H, D]"); e.failure()) return e;
-  if (auto e = check.Shape("dkv", dkv->dimensions(), {B, N, 1, D}, "[B, N, 1, D]"); e.failure()) return e;
-  const BwdWorkspace layout(B, S, H, N, D, deterministic);
+    if (auto e = check.Shape(name, dims, {r.B, r.S, r.H}, "[B, S, H]"); e.failure()) return e;
+  if (auto e = check.Shape("dq", dq->dimensions(), {r.B, r.S, r.H, r.D}, "[B, S, H, D]"); e.failure()) return e;
+  if (auto e = check.Shape("dkv", dkv->dimensions(), {r.B, r.N, 1, r.D}, "[B, N, 1, D]"); e.failure()) return e;
+  const BwdWorkspace layout(r, deterministic);
   if (int64_t(workspace->size_bytes()) < layout.total_bytes)
     return check.Invalid("workspace must hold " + std::to_string(layout.total_bytes) + " bytes, got " +
                          std::to_string(workspace->size_bytes()));
-  if (!(std::isfinite(sm_scale) && sm_scale > 0.f))
-    return check.Invalid("sm_scale must be finite and > 0, got " + std::to_string(sm_scale));
-  if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
 
   if (dq->element_count() == 0 && dkv->element_count() == 0) return ffi::Error::Success();  // no launch
   if (dq->element_count() == 0) {  // no query rows: no gradient reaches kv
@@ -142,32 +157,15 @@ ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
     return ffi::Error::Success();
   }
 
-  const int64_t head_tiles = (H + 63) / 64;
-  if (S > kIntMax || N > kIntMax || T > kIntMax || H > kIntMax || B * S * head_tiles > kIntMax)
-    return check.Invalid("problem too large: B * S * ceil(H / 64), S, N, H and T must be < 2^31");
+  if (auto e = CheckLaunchSize(check, r); e.failure()) return e;
   if (!Aligned16(q.untyped_data()) || !Aligned16(kv.untyped_data()) || !Aligned16(out.untyped_data()) ||
       !Aligned16(dout.untyped_data()) || !Aligned16(dq->untyped_data()) || !Aligned16(dkv->untyped_data()) ||
       !Aligned16(workspace->untyped_data()))
     return check.Invalid("q, kv, out, dout, dq, dkv and the workspace must be 16-byte aligned");
 
   SparseMlaBwdParams p{};
-  p.batch = int(B);
-  p.s_q = int(S);
-  p.s_kv = int(N);
-  p.h_q = int(H);
-  p.d_qk = int(D);
-  p.d_v = int(kKernelDv);
-  p.topk = int(T);
-  p.causal = causal;
-  p.lse_base_e = lse_base_e;
-  p.k_stride = k_stride;
+  SetRowParams(p, r, q, kv, indices, q_start, sm_scale, causal, k_stride, lse_base_e);
   p.sm_scale = sm_scale;
-  p.scale_log2 = float(double(sm_scale) * 1.4426950408889634);  // log2(e)
-  p.q = q.untyped_data();
-  p.kv = kv.untyped_data();
-  p.indices = indices.typed_data();
-  p.q_start = q_start.typed_data();
-  p.row_ranges = ranges;
   p.out = out.untyped_data();
   p.lse = lse.typed_data();
   p.dout = dout.untyped_data();
