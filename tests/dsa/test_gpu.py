@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 from dsa_cases import check_selection, composed, layer_loss, make_dsa_inputs, split_arrays
-from inputs import register_kernels, seed_of
+from inputs import require_ffi_targets, seed_of
 from jax_attn_dist import dsa_attention, oracle
-from jax_attn_dist._core import ext
 from jax_attn_dist.ops.attn_dist import contract as attn_contract
 from jax_attn_dist.ops.indexer import contract as indexer_contract
 from jax_attn_dist.ops.indexer_topk import contract as topk_contract
@@ -41,15 +40,7 @@ def out_shape():
 @pytest.fixture(autouse=True)
 def _needs_these_kernels():
     """The extension may predate an op: every forward FFI target must be registered."""
-    register_kernels()
-    module = ext.extension_module()
-    targets = dict(module.registrations()) if module is not None else {}
-    missing = [t for t in FORWARD_TARGETS if t not in targets]
-    if missing:
-        why = f"the CUDA extension does not register {missing} (registered: {sorted(targets)})"
-        if ext.required_gpus():
-            pytest.fail(f"{ext.REQUIRE_GPU_ENV} is set, but {why}", pytrace=False)
-        pytest.skip(why)
+    require_ffi_targets(*FORWARD_TARGETS)
 
 
 def inputs(tag, **extra):

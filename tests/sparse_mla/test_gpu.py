@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inputs import register_kernels, seed_of
+from inputs import require_ffi_targets, seed_of
 from jax_attn_dist import oracle, sparse_mla
-from jax_attn_dist._core import ext
 from jax_attn_dist.ops.sparse_mla.contract import FFI_TARGET
 from sparse_mla_cases import check_against_oracle, make_sparse_mla_inputs, run
 
@@ -35,14 +34,7 @@ LSE_TOL = oracle.SPARSE_MLA_LSE_TOLERANCE
 @pytest.fixture(autouse=True)
 def _needs_this_kernel():
     """The extension may predate this op: its FFI target must be registered."""
-    register_kernels()
-    module = ext.extension_module()
-    targets = dict(module.registrations()) if module is not None else {}
-    if FFI_TARGET not in targets:
-        why = f"the CUDA extension does not register {FFI_TARGET} (registered: {sorted(targets)})"
-        if ext.required_gpus():
-            pytest.fail(f"{ext.REQUIRE_GPU_ENV} is set, but {why}", pytrace=False)
-        pytest.skip(why)
+    require_ffi_targets(FFI_TARGET)
 
 
 def kernel(q, kv, idx, kw, **extra):

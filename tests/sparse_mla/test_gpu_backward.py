@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inputs import register_kernels, seed_of
+from inputs import require_ffi_targets, seed_of
 from jax_attn_dist import oracle
-from jax_attn_dist._core import ext
 from jax_attn_dist.ops.sparse_mla.contract import BWD_FFI_TARGET
 from sparse_mla_cases import check_grads, cotangents, grads, make_sparse_mla_inputs
 
@@ -32,14 +31,8 @@ BF16 = jnp.bfloat16
 
 @pytest.fixture(autouse=True)
 def _needs_this_kernel():
-    register_kernels()
-    module = ext.extension_module()
-    targets = dict(module.registrations()) if module is not None else {}
-    if BWD_FFI_TARGET not in targets:
-        why = f"the CUDA extension does not register {BWD_FFI_TARGET} (registered: {sorted(targets)})"
-        if ext.required_gpus():
-            pytest.fail(f"{ext.REQUIRE_GPU_ENV} is set, but {why}", pytrace=False)
-        pytest.skip(why)
+    """The extension may predate the backward: its FFI target must be registered."""
+    require_ffi_targets(BWD_FFI_TARGET)
 
 
 def check_twice(make, deterministic=False, **packing):

@@ -26,6 +26,25 @@ def register_kernels() -> None:
         pass
 
 
+def require_ffi_targets(*targets) -> None:
+    """Registers the kernels, then skips the test (fails under
+    JAX_ATTN_DIST_REQUIRE_GPU) if the built extension predates one of
+    ``targets``: it does not register it."""
+    import pytest
+
+    from jax_attn_dist._core import ext
+
+    register_kernels()
+    module = ext.extension_module()
+    registered = dict(module.registrations()) if module is not None else {}
+    missing = [t for t in targets if t not in registered]
+    if missing:
+        why = f"the CUDA extension does not register {missing} (registered: {sorted(registered)})"
+        if ext.required_gpus():
+            pytest.fail(f"{ext.REQUIRE_GPU_ENV} is set, but {why}", pytrace=False)
+        pytest.skip(why)
+
+
 def seed_of(*parts) -> int:
     """A stable seed from the test's parameters (failures reproduce)."""
     return zlib.crc32(repr(parts).encode())
