@@ -49,16 +49,12 @@ inline int device_attribute(cudaDeviceAttr attr) {
 inline int device_sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount); }
 inline int64_t device_l2_bytes() { return device_attribute(cudaDevAttrL2CacheSize); }
 
-// Launches `kernel` with `smem` bytes of dynamic shared memory; the error
-// returned is this launch's (cudaLaunchKernelEx), not a stale one that
-// cudaGetLastError might report.
+// Launches `kernel` on a `grid` of CTAs with `smem` bytes of dynamic shared
+// memory; the error returned is this launch's (cudaLaunchKernelEx), not a
+// stale one that cudaGetLastError might report.
 template <class... Params, class... Args>
-LaunchStatus launch_kernel(void (*kernel)(Params...), int64_t grid, int threads, int smem, cudaStream_t stream,
+LaunchStatus launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream,
                            const char** detail, Args&&... args) {
-  if (grid <= 0 || grid > INT32_MAX) {
-    *detail = "grid size out of range";
-    return LaunchStatus::kInvalidProblem;
-  }
   // Per device, so set on every launch (host-side, no synchronisation). The
   // carveout asks for all of L1 as shared memory: left to itself the driver
   // may pick a split that fits one CTA of a kernel meant to run two per SM.
@@ -67,7 +63,7 @@ LaunchStatus launch_kernel(void (*kernel)(Params...), int64_t grid, int threads,
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(grid));
+    config.gridDim = grid;
     config.blockDim = dim3(unsigned(threads));
     config.dynamicSmemBytes = size_t(smem);
     config.stream = stream;
@@ -78,6 +74,17 @@ LaunchStatus launch_kernel(void (*kernel)(Params...), int64_t grid, int threads,
     return LaunchStatus::kLaunchError;
   }
   return LaunchStatus::kOk;
+}
+
+// A 1-D grid of `grid` CTAs (checked to fit).
+template <class... Params, class... Args>
+LaunchStatus launch_kernel(void (*kernel)(Params...), int64_t grid, int threads, int smem, cudaStream_t stream,
+                           const char** detail, Args&&... args) {
+  if (grid <= 0 || grid > INT32_MAX) {
+    *detail = "grid size out of range";
+    return LaunchStatus::kInvalidProblem;
+  }
+  return launch_kernel(kernel, dim3(unsigned(grid)), threads, smem, stream, detail, std::forward<Args>(args)...);
 }
 
 }  // namespace attn_dist

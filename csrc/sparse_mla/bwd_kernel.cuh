@@ -39,7 +39,7 @@ using cutlass::arch::NamedBarrier;
 // WG0: scores and P; dQ over value tiles 0..3 and the rope tile; its dKV tiles.
 template <class Cfg>
 __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
-                                               const CtaProblem& c, float two_to_f, int thread) {
+                                               const CtaProblem& c, const FixedTerms& fixed, int thread) {
   const int lane = thread % 32;
   Tensor accS = partition_fragment_C(typename Cfg::MmaScores{}, Shape<Int<Cfg::HT>, Int<kBlockTopk>>{});
   Tensor accDq = partition_fragment_C(typename Cfg::MmaDq4{}, Shape<Int<Cfg::HT>, Int<bwd::kDqValueDims>>{});
@@ -69,8 +69,9 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
     warpgroup_wait<0>();
     release_stages<Cfg>(plan, 0, bwd::kDqTilesPerConsumer, lane);
     if constexpr (Cfg::kRopeTiles > 0) release_stages<Cfg>(plan, bwd::kValueTiles, Cfg::kRopeTiles, lane);
+    if (block == 0) wait_tiles_landed(plan.dout_ready, bwd::kValueTiles);  // P^T.dO reads dO, which WG1 waited for
     dkv_tiles<Cfg>(plan, p, rows, true, 0, Cfg::kWg0ValueTiles, block + 1 < num_blocks, bwd::kWg0DkvDone,
-                   two_to_f, thread);
+                   fixed, thread);
   }
   store_dq<Cfg>(p, c, accDq, 0, thread);
   if constexpr (Cfg::kRopeTiles > 0) store_dq<Cfg>(p, c, accDqRope, bwd::kDv, thread);
@@ -79,7 +80,7 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
 // WG1: dP and dS; dQ over value tiles 4..7; its dKV tiles.
 template <class Cfg>
 __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
-                                              const CtaProblem& c, float two_to_f, int thread) {
+                                              const CtaProblem& c, const FixedTerms& fixed, int thread) {
   const int lane = thread % 32;
   Tensor accDp = partition_fragment_C(typename Cfg::MmaScores{}, Shape<Int<Cfg::HT>, Int<kBlockTopk>>{});
   Tensor accDq = partition_fragment_C(typename Cfg::MmaDq4{}, Shape<Int<Cfg::HT>, Int<bwd::kDqValueDims>>{});
@@ -94,8 +95,7 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
                                                   thread);
     const KeyRows rows = block_key_rows<Cfg>(p, c, block, thread);
     warpgroup_wait<0>();
-    release_stages<Cfg>(plan, 0, bwd::kDqTilesPerConsumer, lane);  // WG0's dQ tiles
-    if constexpr (Cfg::kRopeTiles > 0) release_stages<Cfg>(plan, bwd::kValueTiles, Cfg::kRopeTiles, lane);
+    release_stages<Cfg>(plan, 0, bwd::kDqTilesPerConsumer, lane);  // WG0's dQ tiles (the rope stage is WG0's alone)
     NamedBarrier::sync(bwd::kPairThreads, bwd::kPReady);
     dp_to_ds<Cfg>(plan, accDp, delta, p.sm_scale, thread);
     if (block > 0) NamedBarrier::sync(bwd::kPairThreads, bwd::kWg0DkvDone);  // WG0 no longer reads dS
@@ -107,8 +107,9 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     release_stages<Cfg>(plan, bwd::kDqTilesPerConsumer, bwd::kDqTilesPerConsumer, lane);
+    if (block == 0) wait_tiles_landed(plan.q_ready, Cfg::kDimTiles);  // dS^T.Q reads Q, which WG0 waited for
     dkv_tiles<Cfg>(plan, p, rows, false, Cfg::kWg0ValueTiles, bwd::kValueTiles - Cfg::kWg0ValueTiles,
-                   block + 1 < num_blocks, bwd::kWg1DkvDone, two_to_f, thread);
+                   block + 1 < num_blocks, bwd::kWg1DkvDone, fixed, thread);
   }
   store_dq<Cfg>(p, c, accDq, bwd::kDqValueDims, thread);
 }
@@ -131,7 +132,8 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     for (int i = 0; i < Cfg::kDimTiles; ++i) cutlass::arch::ClusterTransactionBarrier::init(&plan.q_ready[i], 1);
     for (int i = 0; i < bwd::kValueTiles; ++i)
       cutlass::arch::ClusterTransactionBarrier::init(&plan.dout_ready[i], 1);
-    Cfg::Ring::init(plan.ring, [](int, int) { return bwd::kNumConsumers; });  // both consumers release every stage
+    // Both consumers release every value stage; the rope stage only WG0 reads and releases.
+    Cfg::Ring::init(plan.ring, [](int, int stage) { return stage < bwd::kValueTiles ? bwd::kNumConsumers : 1; });
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -149,11 +151,15 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     gather_key_blocks<typename Cfg::Ring, Cfg::D>(plan.kv, plan.ring, cta.slots, keys, 0, thread_in_wg);
   } else {
     cutlass::arch::warpgroup_reg_alloc<bwd::kConsumerRegs>();
-    float two_to_f = 0.f;
-    if constexpr (Cfg::kDeterministic)
-      two_to_f = fixed_point_scale(*params.bound_bits, int64_t(params.batch) * params.s_q).to_fixed;
-    if (warpgroup == 0) consume_scores<Cfg>(plan, params, cta, two_to_f, thread_in_wg);
-    else consume_grads<Cfg>(plan, params, cta, two_to_f, thread_in_wg);
+    FixedTerms fixed;
+    if constexpr (Cfg::kDeterministic) {  // this batch element's scale: its S rows, its bound
+      const unsigned bits = params.bound_bits[cta.batch];
+      fixed.two_to_f = fixed_point_scale(bits, params.s_q).to_fixed;
+      fixed.term_limit = __uint_as_float(bits);
+      fixed.flag = params.bound_bits + cta.batch;
+    }
+    if (warpgroup == 0) consume_scores<Cfg>(plan, params, cta, fixed, thread_in_wg);
+    else consume_grads<Cfg>(plan, params, cta, fixed, thread_in_wg);
   }
 #elif defined(__CUDA_ARCH__)
   // Built for an architecture without WGMMA/setmaxnreg: fail loudly rather

@@ -61,9 +61,9 @@ LaunchStatus run_sparse_mla_bwd(const SparseMlaBwdParams& p, cudaStream_t stream
   if (deterministic) {
     if ((s = memset_status(cudaMemsetAsync(p.dkv_fixed, 0, dkv_elems * sizeof(long long), stream), detail)) !=
             LaunchStatus::kOk ||
-        (s = memset_status(cudaMemsetAsync(p.kv_max_bits, 0, sizeof(unsigned), stream), detail)) !=
+        (s = memset_status(cudaMemsetAsync(p.kv_max_bits, 0, size_t(p.batch) * sizeof(unsigned), stream), detail)) !=
             LaunchStatus::kOk ||
-        (s = memset_status(cudaMemsetAsync(p.bound_bits, 0, sizeof(unsigned), stream), detail)) !=
+        (s = memset_status(cudaMemsetAsync(p.bound_bits, 0, size_t(p.batch) * sizeof(unsigned), stream), detail)) !=
             LaunchStatus::kOk)
       return s;
     if (dkv_elems > 0 && (s = launch_kv_max(p, stream, detail)) != LaunchStatus::kOk) return s;

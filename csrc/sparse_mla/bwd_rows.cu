@@ -7,7 +7,9 @@
 // |dP_hj| <= ||dO_h||_1 max|kv|. So the row's terms are at most
 //   sum_h  sm_scale max|q_h| (||dO_h||_1 max|kv| + |delta_h|) + max|dO_h|
 // over the heads that take probability (finite lse), times kRowBoundMargin
-// for bf16's rounding of P and dS and float slack.
+// for bf16's rounding of P and dS and float slack. Each batch element has
+// its own max |kv|, bound and so scale (a vmapped or B-sharded call gives
+// each element the bits it would get alone).
 #include <cfloat>
 #include <cstdint>
 
@@ -99,40 +101,54 @@ __global__ void __launch_bounds__(kRowThreads) row_terms_kernel(const __grid_con
     if (threadIdx.x == 0) {
       float a = 0.f, b = 0.f;
       for (int w = 0; w < kRowWarps; ++w) a += warp_terms[0][w], b += warp_terms[1][w];
-      const float kv_max = __uint_as_float(*p.kv_max_bits);
+      const int batch = int(row / p.s_q);
+      const float kv_max = __uint_as_float(p.kv_max_bits[batch]);
       const float bound = kRowBoundMargin * (a * kv_max + b);
-      atomicMax(p.bound_bits, bound <= FLT_MAX ? __float_as_uint(bound) : kNonFiniteBoundBits);
+      atomicMax(p.bound_bits + batch, bound <= FLT_MAX ? __float_as_uint(bound) : kNonFiniteBoundBits);
     }
   }
 }
 
-// max |kv|: 8 elements per load; a NaN wins (its bits are above +inf's).
+// max |kv| per batch element (grid y strides the elements, x its chunks of 8
+// elements); a NaN records the non-finite bits.
 __global__ void __launch_bounds__(kStreamThreads) kv_max_kernel(const __grid_constant__ SparseMlaBwdParams p) {
-  const int64_t chunks = int64_t(p.batch) * p.s_kv * p.d_qk / 8;
-  const auto* kv = static_cast<const __nv_bfloat16*>(p.kv);
-  float m = 0.f;
-  for (int64_t i = blockIdx.x * int64_t(kStreamThreads) + threadIdx.x; i < chunks;
-       i += int64_t(gridDim.x) * kStreamThreads) {
-    float x[8];
-    load8(kv + i * 8, x);
-    for (int k = 0; k < 8; ++k) m = nan_keeping_max(m, fabsf(x[k]));
+  const int64_t chunks = int64_t(p.s_kv) * p.d_qk / 8;
+  for (int b = blockIdx.y; b < p.batch; b += gridDim.y) {
+    const auto* kv = static_cast<const __nv_bfloat16*>(p.kv) + int64_t(b) * p.s_kv * p.d_qk;
+    float m = 0.f;
+    for (int64_t i = blockIdx.x * int64_t(kStreamThreads) + threadIdx.x; i < chunks;
+         i += int64_t(gridDim.x) * kStreamThreads) {
+      float x[8];
+      load8(kv + i * 8, x);
+      for (int k = 0; k < 8; ++k) m = nan_keeping_max(m, fabsf(x[k]));
+    }
+    m = warp_max(m);
+    if (threadIdx.x % 32 == 0 && m > 0.f) atomicMax(p.kv_max_bits + b, __float_as_uint(m));
+    if (threadIdx.x % 32 == 0 && m != m) atomicMax(p.kv_max_bits + b, kNonFiniteBoundBits);
   }
-  m = warp_max(m);
-  if (threadIdx.x % 32 == 0 && m > 0.f) atomicMax(p.kv_max_bits, __float_as_uint(m));
-  if (threadIdx.x % 32 == 0 && m != m) atomicMax(p.kv_max_bits, kNonFiniteBoundBits);
 }
 
+// dkv = dkv_fixed * 2^-F with each batch element's own F (its S rows).
 __global__ void __launch_bounds__(kStreamThreads) fixed_to_float_kernel(const __grid_constant__ SparseMlaBwdParams p) {
-  const FixedPointScale s = fixed_point_scale(*p.bound_bits, int64_t(p.batch) * p.s_q);
-  const int64_t n = int64_t(p.batch) * p.s_kv * p.d_qk;
-  for (int64_t i = blockIdx.x * int64_t(kStreamThreads) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * kStreamThreads)
-    p.dkv[i] = s.finite ? __ll2float_rn(p.dkv_fixed[i]) * s.from_fixed : __int_as_float(0x7fc00000);
+  const int64_t n = int64_t(p.s_kv) * p.d_qk;
+  for (int b = blockIdx.y; b < p.batch; b += gridDim.y) {
+    const FixedPointScale s = fixed_point_scale(p.bound_bits[b], p.s_q);
+    const int64_t first = int64_t(b) * n;
+    for (int64_t i = blockIdx.x * int64_t(kStreamThreads) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * kStreamThreads)
+      p.dkv[first + i] = s.finite ? __ll2float_rn(p.dkv_fixed[first + i]) * s.from_fixed : __int_as_float(0x7fc00000);
+  }
 }
 
-int64_t stream_ctas(int64_t work) {
-  const int64_t ctas = (work + kStreamThreads - 1) / kStreamThreads;
-  return ctas < 1 ? 1 : (ctas > kStreamMaxCtas ? kStreamMaxCtas : ctas);
+constexpr int kMaxGridY = 65535;
+
+// A grid over (work per batch element) x B, a few waves in all.
+dim3 stream_grid(int64_t work, int batch) {
+  const int y = batch < kMaxGridY ? batch : kMaxGridY;
+  int64_t x = (work + kStreamThreads - 1) / kStreamThreads;
+  const int64_t max_x = kStreamMaxCtas / y > 1 ? kStreamMaxCtas / y : 1;
+  x = x < 1 ? 1 : (x > max_x ? max_x : x);
+  return dim3(unsigned(x), unsigned(y));
 }
 
 }  // namespace
@@ -144,12 +160,12 @@ LaunchStatus launch_row_terms(const SparseMlaBwdParams& p, cudaStream_t stream, 
 }
 
 LaunchStatus launch_kv_max(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
-  return launch_kernel(&kv_max_kernel, stream_ctas(int64_t(p.batch) * p.s_kv * p.d_qk / 8), kStreamThreads, 0, stream,
-                       detail, p);
+  return launch_kernel(&kv_max_kernel, stream_grid(int64_t(p.s_kv) * p.d_qk / 8, p.batch), kStreamThreads, 0,
+                       stream, detail, p);
 }
 
 LaunchStatus launch_dkv_fixed_to_float(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
-  return launch_kernel(&fixed_to_float_kernel, stream_ctas(int64_t(p.batch) * p.s_kv * p.d_qk), kStreamThreads, 0,
+  return launch_kernel(&fixed_to_float_kernel, stream_grid(int64_t(p.s_kv) * p.d_qk, p.batch), kStreamThreads, 0,
                        stream, detail, p);
 }
 

@@ -12,13 +12,14 @@ namespace sparse_mla {
 
 // row_delta = rowsum(dout * out) - dlse (in base e) per (row, head); with
 // dkv_fixed set, also each row's bound on its dkv terms, max-reduced into
-// bound_bits (needs kv_max_bits from launch_kv_max first).
+// its batch element's bound_bits (needs kv_max_bits from launch_kv_max first).
 LaunchStatus launch_row_terms(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);
 
-// max |kv| over every element, as float bits into kv_max_bits (zeroed first).
+// max |kv| of each batch element, as float bits into kv_max_bits (zeroed first).
 LaunchStatus launch_kv_max(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);
 
-// dkv = dkv_fixed * 2^-F (NaN everywhere if a bound or term was not finite).
+// dkv = dkv_fixed * 2^-F per batch element (NaN over an element whose bound or
+// a term was not finite).
 LaunchStatus launch_dkv_fixed_to_float(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);
 
 }  // namespace sparse_mla

@@ -33,7 +33,8 @@ using cutlass::arch::NamedBarrier;
 __device__ __forceinline__ int acc_row(int thread, int rh) { return 16 * (thread / 32) + (thread % 32) / 4 + 8 * rh; }
 
 // This thread's two heads' lse in base 2, +inf where the head takes no
-// probability (a non-finite lse, or a head past H): exp2(s - inf) = 0.
+// probability (a non-finite lse, or a head past H): scores_to_p gives those
+// heads P = 0, whatever their scores hold.
 template <class Cfg>
 __device__ __forceinline__ void load_lse2(const SparseMlaBwdParams& p, const CtaProblem& c, int thread,
                                           float (&lse2)[2]) {
@@ -58,7 +59,7 @@ __device__ __forceinline__ void load_delta(const SparseMlaBwdParams& p, const Ct
   }
 }
 
-// acc = A.K^T over the first kTiles dim tiles of the block (A: Q or dO, whose
+// acc = A.K^T over A's dim tiles of the block (A: Q, all D, or dO, the values; whose
 // tiles land by TMA before the first block); issued and committed, not waited for.
 template <class Cfg, class LayoutA, class Acc>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, const bf16* a_smem,
@@ -68,7 +69,8 @@ __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& pla
       a_smem, a_ready, plan.kv, plan.ring.full[0], phase, first_block, acc, thread);
 }
 
-// S -> P in place: exp2(S scale_log2 - lse2) on valid slots, 0 elsewhere.
+// S -> P in place: exp2(S scale_log2 - lse2) on valid slots of heads with a
+// finite lse, 0 elsewhere (also where S is not finite: the jnp path's masks).
 template <class Acc>
 __device__ __forceinline__ void scores_to_p(Acc& acc, uint64_t valid, float scale_log2, const float (&lse2)[2],
                                             int lane) {
@@ -80,7 +82,7 @@ __device__ __forceinline__ void scores_to_p(Acc& acc, uint64_t valid, float scal
       for (int e = 0; e < 2; ++e) {
         const int col = 8 * j + 2 * (lane % 4) + e;
         const int i = 4 * j + 2 * rh + e;
-        acc(i) = (valid >> col) & 1 ? fast_exp2(acc(i) * scale_log2 - lse2[rh]) : 0.f;
+        acc(i) = (valid >> col) & 1 && lse2[rh] != INFINITY ? fast_exp2(acc(i) * scale_log2 - lse2[rh]) : 0.f;
       }
 }
 
@@ -188,6 +190,16 @@ __device__ __forceinline__ KeyRows block_key_rows(const SparseMlaBwdParams& p, c
   return k;
 }
 
+// The deterministic mode's view of its batch element's scale words: 2^F,
+// and the largest bound of any row, which no term may exceed (a term past it
+// means an lse that is not the forward's: flagged, dkv NaN, rather than a
+// silent overflow).
+struct FixedTerms {
+  float two_to_f = 0.f;
+  float term_limit = 0.f;
+  unsigned* flag = nullptr;
+};
+
 __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
@@ -196,7 +208,7 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
 // 64-bit fixed-point integer atomics, exact in any order.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, const Acc& acc, const KeyRows& rows,
-                                                int tile, float two_to_f, int lane) {
+                                                int tile, const FixedTerms& fixed, int lane) {
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
     if (rows.offset[rh] < 0) continue;
@@ -205,10 +217,10 @@ __device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, con
       const int64_t at = rows.offset[rh] + tile * kDimTile + 8 * j + 2 * (lane % 4);
       const float x0 = acc(4 * j + 2 * rh), x1 = acc(4 * j + 2 * rh + 1);
       if constexpr (Cfg::kDeterministic) {
-        if (!(fabsf(x0) <= FLT_MAX && fabsf(x1) <= FLT_MAX)) flag_non_finite(p.bound_bits);
+        if (!(fabsf(x0) <= fixed.term_limit && fabsf(x1) <= fixed.term_limit)) flag_non_finite(fixed.flag);
         auto* dst = reinterpret_cast<unsigned long long*>(p.dkv_fixed + at);
-        atomicAdd(dst, static_cast<unsigned long long>(to_fixed(x0, two_to_f)));
-        atomicAdd(dst + 1, static_cast<unsigned long long>(to_fixed(x1, two_to_f)));
+        atomicAdd(dst, static_cast<unsigned long long>(to_fixed(x0, fixed.two_to_f)));
+        atomicAdd(dst + 1, static_cast<unsigned long long>(to_fixed(x1, fixed.two_to_f)));
       } else {
         red_add_f32x2(p.dkv + at, x0, x1);
       }
@@ -223,13 +235,13 @@ __device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, con
 template <class Cfg>
 __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                           const KeyRows& rows, bool with_rope, int first_value, int num_values,
-                                          bool more_blocks, uint32_t done_barrier, float two_to_f, int thread) {
+                                          bool more_blocks, uint32_t done_barrier, const FixedTerms& fixed, int thread) {
   Tensor acc = partition_fragment_C(typename Cfg::MmaDkv{}, Shape<Int<kBlockTopk>, Int<kDimTile>>{});
   if constexpr (Cfg::kRopeTiles > 0) {
     if (with_rope) {
       issue_dkv_tile<Cfg, false>(plan, bwd::kValueTiles, acc, thread);
       warpgroup_wait<0>();
-      reduce_dkv_tile<Cfg>(p, acc, rows, bwd::kValueTiles, two_to_f, thread % 32);
+      reduce_dkv_tile<Cfg>(p, acc, rows, bwd::kValueTiles, fixed, thread % 32);
     }
   }
   CUTE_NO_UNROLL
@@ -238,8 +250,14 @@ __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, 
     issue_dkv_tile<Cfg, true>(plan, tile, acc, thread);
     warpgroup_wait<0>();
     if (t + 1 == num_values && more_blocks) NamedBarrier::arrive(bwd::kPairThreads, done_barrier);
-    reduce_dkv_tile<Cfg>(p, acc, rows, tile, two_to_f, thread % 32);
+    reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, thread % 32);
   }
+}
+
+// Each TMA tile (Q's or dO's) of the row has landed; a warpgroup waits once
+// before it first reads tiles that the other warpgroup's product waited for.
+__device__ __forceinline__ void wait_tiles_landed(uint64_t* ready, int n) {
+  for (int i = 0; i < n; ++i) cutlass::arch::ClusterTransactionBarrier::wait(&ready[i], 0);
 }
 
 // Stages [first, first + n) of the block have been read by this warpgroup.

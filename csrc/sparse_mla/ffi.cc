@@ -117,13 +117,14 @@ int64_t AlignUp(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 // The backward's workspace, as jax_attn_dist/ops/sparse_mla/contract.py's
 // bwd_workspace_bytes lays it out: the per-head row terms (float32 [B, S,
 // H]); deterministic mode: then the fixed-point sums (int64 [B, N, D]) and
-// 256 bytes holding two words (max |kv| and the bound, as float bits).
+// the scale words (uint32 [B] max |kv|, then uint32 [B] bounds, as float
+// bits); each part on a 256-byte boundary.
 struct BwdWorkspace {
   int64_t row_terms_bytes, fixed_bytes, total_bytes;
   BwdWorkspace(const RowProblem& r, bool deterministic) {
     row_terms_bytes = AlignUp(r.B * r.S * r.H * 4);
     fixed_bytes = deterministic ? AlignUp(r.B * r.N * r.D * 8) : 0;
-    total_bytes = row_terms_bytes + fixed_bytes + (deterministic ? 256 : 0);
+    total_bytes = row_terms_bytes + fixed_bytes + (deterministic ? AlignUp(r.B * 2 * 4) : 0);
   }
 };
 
@@ -178,7 +179,7 @@ ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
     p.dkv_fixed = reinterpret_cast<long long*>(base + layout.row_terms_bytes);
     auto* words = reinterpret_cast<unsigned int*>(base + layout.row_terms_bytes + layout.fixed_bytes);
     p.kv_max_bits = words;
-    p.bound_bits = words + 1;
+    p.bound_bits = words + r.B;
   }
 
   const char* detail = "";

@@ -45,8 +45,9 @@ namespace attn_dist {
 // The workspace (XLA allocates it; sparse_mla/ffi.cc lays it out):
 //   row_delta [B, S, H] f32: rowsum(dout * out) - dlse in base e, per head;
 //   deterministic mode only: dkv_fixed [B, N, D] int64, the fixed-point sums
-//   (common/fixed_point.cuh), and two words: kv_max_bits (max |kv| as float
-//   bits) and bound_bits (the largest per-row bound on dkv's terms).
+//   (common/fixed_point.cuh), and per batch element two words, as float
+//   bits: kv_max_bits [B] (max |kv|) and bound_bits [B] (the largest bound
+//   of its rows on their dkv terms), from which its scale is chosen.
 struct SparseMlaBwdParams {
   int batch, s_q, s_kv, h_q, d_qk, d_v, topk;
 
@@ -70,8 +71,8 @@ struct SparseMlaBwdParams {
   float* dkv;
   float* row_delta;
   long long* dkv_fixed;    // nullptr: float32 atomics into dkv
-  unsigned int* kv_max_bits;
-  unsigned int* bound_bits;
+  unsigned int* kv_max_bits;  // [B]
+  unsigned int* bound_bits;   // [B]
 };
 
 // Launches the row preprocess, the main kernel and (deterministic) the

@@ -59,7 +59,8 @@ def zeros(B=2, S=5, H=3, D=576, N=7, HK=1, T=4, dtype=BF16):
 
 def test_workspace_bytes():
     """Row terms (float32 per (b, s, h)), then, when deterministic, the int64
-    dkv sums and 256 bytes of scale words; each part 256-byte aligned."""
+    dkv sums and two uint32 scale words per batch element; each part
+    256-byte aligned."""
     q, kv = (2, 5, 3, 576), (2, 7, 1, 576)
     assert contract.bwd_workspace_bytes(q, kv, deterministic=False) == 256            # 120 B of row terms
     assert contract.bwd_workspace_bytes(q, kv, deterministic=True) == 256 + 2 * 7 * 576 * 8 + 256
@@ -68,6 +69,8 @@ def test_workspace_bytes():
     assert contract.bwd_workspace_bytes(q, kv, deterministic=True) == 51200 + 33 * 512 * 8 + 256
     q, kv = (1, 1, 1, 4), (1, 1, 1, 4)   # sums of 32 B: padded to 256
     assert contract.bwd_workspace_bytes(q, kv, deterministic=True) == 256 + 256 + 256
+    q, kv = (40, 1, 1, 512), (40, 1, 1, 512)   # 320 B of scale words
+    assert contract.bwd_workspace_bytes(q, kv, deterministic=True) == 256 + 40 * 512 * 8 + 512
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -352,3 +355,14 @@ def test_abstract_eval_of_good_operands():
 def test_abstract_eval_errors(name, bad, message):
     with pytest.raises(ValueError, match=r"^sparse_mla backward: " + message):
         jax.eval_shape(bind_bwd(BWD_PARAMS), *bad_operands(**{name: bad}))
+
+
+def test_backward_primitive_keeps_dkv_float32_for_bf16():
+    """The per-shard dkv stays float32 through the psum of S- and H-shards;
+    the VJP rounds it to kv's dtype once."""
+    q = SDS((1, 4, 2, 576), BF16)
+    kv = SDS((1, 9, 1, 576), BF16)
+    ops = (q, kv, SDS((1, 4, 1, 8), jnp.int32), SDS((1,), jnp.int32), SDS((1, 4, 0), jnp.int32),
+           SDS((1, 4, 2, 512), BF16), SDS((1, 4, 2), F32), SDS((1, 4, 2, 512), BF16), SDS((1, 4, 2), F32))
+    dq, dkv = jax.eval_shape(bind_bwd(dict(BWD_PARAMS, d_v=512)), *ops)
+    assert (dq.dtype, dkv.dtype) == (BF16, F32)

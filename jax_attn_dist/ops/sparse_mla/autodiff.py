@@ -58,7 +58,8 @@ def _sparse_mla_bwd(sm_scale, causal, k_stride, lse_base, d_v, deterministic, im
         lambda *a: tuple(sparse_mla_bwd_p.bind(*a, **params)), (*residuals, dout, dlse),
         lambda: tuple(P(*dim_specs(x)) for x in (q, kv)),
     )
-    return dq, dkv, None, None, None  # indices, q_start, row_ranges: integer, no gradient
+    # dkv comes back float32 (summed over shards first), rounded once here
+    return dq, dkv.astype(kv.dtype), None, None, None  # indices, q_start, row_ranges: integer, no gradient
 
 
 _sparse_mla_vjp.defvjp(_sparse_mla_fwd, _sparse_mla_bwd)

@@ -25,7 +25,7 @@ from .reference import lse_natural, sparse_mla_chunk_rows
 
 def sparse_mla_bwd_canonical(
     q, kv, indices, q_start, row_ranges, lse, dout, dlse, *, sm_scale: float, causal: bool, k_stride: int,
-    lse_base: str, d_v: int, deterministic: bool, chunk: Optional[int] = None, **unused_params,
+    lse_base: str, d_v: int, deterministic: bool, chunk: Optional[int] = None, dkv_dtype=None, **unused_params,
 ):
     """Gradients ``(dq, dkv)`` of ``sum(dout * out) + sum(dlse * lse)`` on
     canonical operands (as ``reference_canonical``), with ``lse`` [B,S,H]
@@ -40,11 +40,13 @@ def sparse_mla_bwd_canonical(
         dkv[i]    += sm_scale dS q[s, h];   dkv[i][:d_v] += P dout[s, h]
 
     Invalid slots and heads of non-finite lse contribute exactly 0, whatever
-    the cotangents hold. ``dq`` has q's dtype, ``dkv`` kv's."""
+    the cotangents hold. ``dq`` has q's dtype, ``dkv`` kv's (or
+    ``dkv_dtype``: the backward primitive keeps it float32 until the shards'
+    partial sums are added)."""
     problem = contract.check_canonical(q, kv, indices, q_start, row_ranges)
     B, S, H, D, N, HK, T = problem.B, problem.S, problem.H, problem.D, problem.N, problem.HK, problem.T
     if problem.is_empty:
-        return jnp.zeros_like(q), jnp.zeros_like(kv)
+        return jnp.zeros_like(q), jnp.zeros(kv.shape, dkv_dtype or kv.dtype)
     R = B * S
     Hg = H // HK
     C = min(int(chunk), R) if chunk else sparse_mla_chunk_rows(problem, d_v, backward=True)
@@ -87,4 +89,4 @@ def sparse_mla_bwd_canonical(
 
     dkv0 = jnp.zeros((B * N * HK, D), jnp.float32)
     (dq,), dkv = row_loop(chunk_grads, R, C, [((H, D), jnp.float32)], dkv0)
-    return dq.reshape(B, S, H, D).astype(q.dtype), dkv.reshape(B, N, HK, D).astype(kv.dtype)
+    return dq.reshape(B, S, H, D).astype(q.dtype), dkv.reshape(B, N, HK, D).astype(dkv_dtype or kv.dtype)

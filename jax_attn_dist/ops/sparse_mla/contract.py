@@ -189,11 +189,12 @@ def bwd_workspace_bytes(q_shape, kv_shape, *, deterministic: bool) -> int:
     Layout, each part starting on a 256-byte boundary: the row terms (one
     float32 per (b, s, h): the row preprocess's rowsum(dout * out) - dlse
     term), then, when ``deterministic``, the fixed-point sums (one int64 per
-    element of dkv), then 256 bytes of scale words (max |kv| and the rows'
-    largest bound, as float bits: what the scale F is chosen from)."""
+    element of dkv), then the scale words: per batch element, max |kv| and
+    then its rows' largest bound, as float bits (what that element's
+    fixed-point scale is chosen from): uint32 [B], then uint32 [B]."""
     B, S, H, _ = (int(d) for d in q_shape)
     _, N, _, D = (int(d) for d in kv_shape)
     size = _align(B * S * H * 4, 256)
     if deterministic:
-        size += _align(B * N * D * 8, 256) + 256
+        size += _align(B * N * D * 8, 256) + _align(B * 2 * 4, 256)
     return size

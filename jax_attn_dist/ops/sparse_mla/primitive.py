@@ -14,7 +14,8 @@
 * ``sparse_mla_bwd_p``, the backward's logical primitive: the forward's
   operands plus the forward's results and their cotangents, out
   [B,S,H,d_v] (q's dtype), lse [B,S,H] float32, dout [B,S,H,d_v], dlse
-  [B,S,H] -> (dq like q, dkv like kv); the same static parameters. Folded
+  [B,S,H] -> (dq like q, dkv float32 like kv's shape: the shards' partial
+  sums are added before one rounding); the same static parameters. Folded
   by vmap and partitioned like the forward (S- and H-shards' dkv psum'ed).
 * ``sparse_mla_bwd_local_p``, its per-shard primitive: on CUDA the SM90
   backward kernel where it applies (the forward kernel's coverage, either
@@ -64,7 +65,9 @@ def _bwd_abstract_eval(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse
     _check_backward_operand("lse", lse, heads, jnp.float32)
     _check_backward_operand("dout", dout, values, None)
     _check_backward_operand("dlse", dlse, heads, None)
-    return jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(kv.shape, kv.dtype)
+    # dkv in float32: shards' partial sums are added (psum) before the one
+    # rounding to kv's dtype (autodiff.py)
+    return jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(kv.shape, jnp.float32)
 
 
 sparse_mla_p = define_primitive("sparse_mla", _abstract_eval, multiple_results=True)
@@ -105,8 +108,8 @@ def _ffi_backward(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, *, 
     [B,S,0], Buffer<BF16> out [B,S,H,512], Buffer<F32> lse [B,S,H],
     Buffer<BF16> dout [B,S,H,512], Buffer<F32> dlse [B,S,H]; attrs sm_scale
     f32, causal bool, k_stride int32, lse_base_e bool, deterministic bool;
-    results Buffer<BF16> dq [B,S,H,D], Buffer<F32> dkv [B,N,1,D] (cast to
-    kv's dtype here) and Buffer<U8> workspace
+    results Buffer<BF16> dq [B,S,H,D], Buffer<F32> dkv [B,N,1,D] and
+    Buffer<U8> workspace
     [``contract.bwd_workspace_bytes``] (XLA allocates it, the handler
     allocates nothing)."""
     del implementation, d_v  # d_v is 512 wherever the kernel is chosen
@@ -119,12 +122,13 @@ def _ffi_backward(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, *, 
        dlse.astype(jnp.float32),
        sm_scale=np.float32(sm_scale), causal=bool(causal), k_stride=np.int32(k_stride),
        lse_base_e=bool(lse_base == "e"), deterministic=bool(deterministic))
-    return dq, dkv.astype(kv.dtype)
+    return dq, dkv
 
 
 def _backward_jnp(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, **params):
     del out  # the jnp backward recomputes P: it needs lse alone
-    return sparse_mla_bwd_canonical(q, kv, indices, q_start, row_ranges, lse, dout, dlse, **params)
+    return sparse_mla_bwd_canonical(q, kv, indices, q_start, row_ranges, lse, dout, dlse, dkv_dtype=jnp.float32,
+                                    **params)
 
 
 def _out_specs(front):  # out [V, B, S, H, d_v], lse [V, B, S, H]: V, B, S, H as q
