@@ -111,15 +111,7 @@ __device__ __forceinline__ void dp_to_ds(typename Cfg::SharedMemoryPlan& plan, A
 template <class Cfg, class Acc>
 __device__ __forceinline__ void store_tile(bf16* tile, const Acc& acc, int thread) {
   Tensor s = make_tensor(make_smem_ptr(tile), typename Cfg::SmemLayoutTile{});
-  const int lane = thread % 32;
-  CUTE_UNROLL
-  for (int j = 0; j < kBlockTopk / 8; ++j)
-    CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh) {
-      const int i = 4 * j + 2 * rh;
-      *reinterpret_cast<__nv_bfloat162*>(&s(acc_row(thread, rh), 8 * j + 2 * (lane % 4))) =
-          __floats2bfloat162_rn(acc(i), acc(i + 1));
-    }
+  store_acc_tile(s, acc, acc_row(thread, 0), thread % 32);
   cutlass::arch::fence_view_async_shared();
 }
 

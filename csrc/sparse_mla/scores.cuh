@@ -1,9 +1,12 @@
-// The scores product both sparse MLA kernels run on a gathered key block:
-// acc = A.K^T over the block's dim tiles, heads x 64 keys, both operands
-// K-major in shared memory (A: Q, or dO in the backward).
+// What both sparse MLA kernels run on a gathered key block: the scores
+// product acc = A.K^T over the block's dim tiles, heads x 64 keys, both
+// operands K-major in shared memory (A: Q, or dO in the backward), and the
+// store of a 64 x 64 accumulator (P, dS) as a bf16 WGMMA operand tile.
 #pragma once
 
 #include <cstdint>
+
+#include <cuda_bf16.h>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -40,6 +43,23 @@ __device__ __forceinline__ void issue_block_scores(const bf16* a_smem, uint64_t*
   }
   warpgroup_commit_batch();
   warpgroup_fence_operand(acc);
+}
+
+// A 64 x 64 f32 accumulator as bf16 pairs into `tile` (64 x 64, K-major
+// with the 128-byte swizzle: each pair stays within a 16-byte chunk). The
+// thread holds rows row0 (= 16 warp + lane / 4) and row0 + 8, columns
+// 8j + 2 (lane % 4) (+1). The caller fences for the async proxy before a
+// WGMMA reads it.
+template <class Tile, class Acc>
+__device__ __forceinline__ void store_acc_tile(Tile& tile, const Acc& acc, int row0, int lane) {
+  CUTE_UNROLL
+  for (int j = 0; j < kBlockTopk / 8; ++j)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      const int i = 4 * j + 2 * rh;
+      *reinterpret_cast<__nv_bfloat162*>(&tile(row0 + 8 * rh, 8 * j + 2 * (lane % 4))) =
+          __floats2bfloat162_rn(acc(i), acc(i + 1));
+    }
 }
 
 }  // namespace sparse_mla

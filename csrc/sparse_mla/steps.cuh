@@ -141,15 +141,7 @@ __device__ __forceinline__ void publish_p(typename Cfg::SharedMemoryPlan& plan, 
                                           uint32_t ready_barrier, int warp, int lane) {
   Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
   exponentiate(accS, pair_max, st.row_sum);
-  const int row0 = 16 * warp + lane / 4;
-  CUTE_UNROLL
-  for (int j = 0; j < kBlockTopk / 8; ++j)
-    CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh) {
-      const int i = 4 * j + 2 * rh;
-      *reinterpret_cast<__nv_bfloat162*>(&sP(row0 + 8 * rh, 8 * j + 2 * (lane % 4))) =
-          __floats2bfloat162_rn(accS(i), accS(i + 1));
-    }
+  store_acc_tile(sP, accS, 16 * warp + lane / 4, lane);
   cutlass::arch::fence_view_async_shared();  // WGMMAs read P through the async proxy
   NamedBarrier::arrive(kPairThreads, ready_barrier);          // for the other consumer
   NamedBarrier::sync(kWarpgroupThreads, stored_barrier);     // for this one's own WGMMA
