@@ -140,9 +140,9 @@ def grads(q, kv, idx, kw, dout, dlse, *, deterministic=False, **packing):
         _, vjp = jax.vjp(fwd, q, kv)
         return vjp((dout, dlse))
 
-    jf = jax.jit(f)
-    assert BWD_FFI_TARGET in jf.lower(q, kv, idx, arrays, dout, dlse).as_text()
-    return jf(q, kv, idx, arrays, dout, dlse)
+    lowered = jax.jit(f).lower(q, kv, idx, arrays, dout, dlse)  # lowered once: checked, then compiled
+    assert BWD_FFI_TARGET in lowered.as_text()
+    return lowered.compile()(q, kv, idx, arrays, dout, dlse)
 
 
 def check_grads(q, kv, idx, kw, dout, dlse, dq, dkv, **packing):
