@@ -16,6 +16,7 @@
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/float8.h>
 
 #include "../common/gather.cuh"
 #include "params.h"
@@ -43,26 +44,35 @@ constexpr int kBarConsumers = 1;             // both consumer warpgroups
 constexpr int kBarPass = 2;                  // consumers arrive, the producer warp syncs: the next pass's kind
 constexpr int kBarRow0 = 3;                  // + r: consumer warpgroup r alone
 
-// DI: indexer head dim. HT: heads per query row in the WGMMA (the variant's HI).
-template <int DI_, int HT_>
+// The index_q/index_k element types the kernel reads. A dim tile is one
+// 128-byte swizzle row: 64 bf16 or 128 float8 dims.
+using fp8 = cutlass::float_e4m3_t;
+template <class Elem>
+constexpr int kTileDims = 128 / int(sizeof(Elem));
+
+// DI: indexer head dim. HT: heads per query row in the WGMMA (the variant's
+// HI). Elem: bf16, or fp8 (e4m3, products accumulated by the tensor cores).
+template <int DI_, int HT_, class Elem_>
 struct Config {
+  using Elem = Elem_;
   static constexpr int DI = DI_;
   static constexpr int HT = HT_;
-  static constexpr int kDimTiles = DI / kDimTile;
+  static constexpr int kTile = kTileDims<Elem>;
+  static constexpr int kDimTiles = DI / kTile;
   static constexpr int kMmaN = kRows * HT;
-  static_assert(DI % kDimTile == 0, "DI must be a multiple of 64");
+  static_assert(DI % kTile == 0, "DI must be a whole number of 128-byte rows");
   static_assert(HT == 64, "the kernel is built for 64 heads per row (WGMMA N = 128)");
 
   // Q: the two rows' heads (row-major (row, head)), all DI dims, K-major with
-  // the 128-byte swizzle, one (kMmaN x 64) tile per dim tile. Written by TMA.
+  // the 128-byte swizzle, one (kMmaN x kTile) tile per dim tile. Written by TMA.
   using SmemLayoutQ = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
-      cute::Shape<cute::Int<kMmaN>, cute::Int<kDimTile>, cute::Int<kDimTiles>>{}));
-  static constexpr int kQTileBytes = kMmaN * kDimTile * int(sizeof(bf16));
+      cute::GMMA::Layout_K_SW128_Atom<Elem>{},
+      cute::Shape<cute::Int<kMmaN>, cute::Int<kTile>, cute::Int<kDimTiles>>{}));
+  static constexpr int kQTileBytes = kMmaN * 128;
   static constexpr int kQBytes = kQTileBytes * kDimTiles;
 
-  // A stage is one block: 64 keys x DI dims, as kDimTiles (64 x 64) tiles.
-  static constexpr int kKeyTileBytes = kBlockKeys * kDimTile * int(sizeof(bf16));
+  // A stage is one block: 64 keys x DI dims, as kDimTiles (64 x kTile) tiles.
+  static constexpr int kKeyTileBytes = kBlockKeys * 128;
   static constexpr int kStageBytes = kKeyTileBytes * kDimTiles;
   static constexpr int kLogitRowWords = kChunkKeys + kLogitPad;
   static constexpr int kFixedBytes = kQBytes + kRows * kLogitRowWords * 4 + kRows * kHistBins * 4 + 1024;
@@ -71,14 +81,19 @@ struct Config {
   // ring's parity waits rely on it, see kernel.cuh).
   static_assert(kStages >= 3, "the key ring needs at least three stages");
   using SmemLayoutK = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<bf16>{},
-      cute::Shape<cute::Int<kBlockKeys>, cute::Int<kDimTile>, cute::Int<kStages * kDimTiles>>{}));
+      cute::GMMA::Layout_K_SW128_Atom<Elem>{},
+      cute::Shape<cute::Int<kBlockKeys>, cute::Int<kTile>, cute::Int<kStages * kDimTiles>>{}));
 
-  using TiledMma = KeyBlockMma<kMmaN>;
+  // acc[key, (row, head)] = K_block . Q over one dim tile: a 64 x kMmaN WGMMA
+  // chain (K = 16 bf16 or 32 float8 per instruction), both operands K-major.
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<Elem, Elem, float,
+                                       cute::Shape<cute::Int<kBlockKeys>, cute::Int<kMmaN>, cute::Int<kTile>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::K>()));
 
   struct SharedMemoryPlan {
-    alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
-    alignas(kSmemAlign) bf16 k[cute::cosize_v<SmemLayoutK>];
+    alignas(kSmemAlign) Elem q[cute::cosize_v<SmemLayoutQ>];
+    alignas(kSmemAlign) Elem k[cute::cosize_v<SmemLayoutK>];
     uint32_t logits[kRows][kLogitRowWords];  // order keys (select.cuh) of the chunk's keys, per row
     uint32_t hist[kRows][kHistBins];         // each row's radix histogram
     uint64_t full[kStages];                  // a stage's TMA landed (one arrival + transaction bytes)
@@ -95,8 +110,8 @@ struct Config {
 
 // Passed by value as a __grid_constant__ kernel parameter.
 struct TmaParams {
-  CUtensorMap q;  // 4-D (DI, HI, S, B) bf16, box (64, HT, kRows, 1), SWIZZLE_128B
-  CUtensorMap k;  // 3-D (DI, N, B) bf16, box (64, 64, 1), SWIZZLE_128B
+  CUtensorMap q;  // 4-D (DI, HI, S, B), box (kTile, HT, kRows, 1), SWIZZLE_128B
+  CUtensorMap k;  // 3-D (DI, N, B), box (kTile, 64, 1), SWIZZLE_128B
 };
 
 }  // namespace indexer_topk

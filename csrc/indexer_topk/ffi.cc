@@ -17,11 +17,16 @@
 namespace attn_dist {
 namespace {
 
-ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
+// The element types the kernel reads: bf16, or float8 e4m3 (both operands alike).
+bool KernelElementType(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F8E4M3FN; }
+
+ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer index_q, ffi::AnyBuffer index_k,
                            ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::F32> index_k_scale,
                            ffi::Buffer<ffi::S32> q_start, OptionalRanges row_ranges,
                            ffi::Result<ffi::Buffer<ffi::S32>> indices, float scale, bool causal, int32_t k_stride) {
   const Checker check{kIndexerTopkTarget};
+  if (!KernelElementType(index_q.element_type()) || index_k.element_type() != index_q.element_type())
+    return check.Invalid("index_q and index_k must both be bfloat16 or both float8_e4m3fn");
   const auto qd = index_q.dimensions();
   if (qd.size() != 4) return check.Invalid("index_q must be rank 4 [B, S, HI, DI], got " + Shape(qd));
   const int64_t B = qd[0], S = qd[1], HI = qd[2], DI = qd[3];
@@ -66,6 +71,7 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, 
   p.causal = causal;
   p.k_stride = k_stride;
   p.scale = scale;
+  p.float8_inputs = index_q.element_type() == ffi::DataType::F8E4M3FN;
   p.index_q = index_q.untyped_data();
   p.index_k = index_k.untyped_data();
   p.weights = weights.typed_data();
@@ -84,8 +90,8 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerTopk, IndexerTopkImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // index_q
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // index_k
+                                  .Arg<ffi::AnyBuffer>()          // index_q: BF16 or F8E4M3FN
+                                  .Arg<ffi::AnyBuffer>()          // index_k: as index_q
                                   .Arg<ffi::Buffer<ffi::F32>>()   // weights
                                   .Arg<ffi::Buffer<ffi::F32>>()   // index_k_scale
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_start

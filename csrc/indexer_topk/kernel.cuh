@@ -104,7 +104,7 @@ __device__ __forceinline__ void produce(typename Cfg::SharedMemoryPlan& plan, co
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.q_ready, uint32_t(Cfg::kQBytes));
     for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
       SM90_TMA_LOAD_4D::copy(&tma.q, &plan.q_ready, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                             plan.q + dt * Cfg::kMmaN * kDimTile, dt * kDimTile, 0, c.s0, c.batch);
+                             plan.q + dt * Cfg::kMmaN * Cfg::kTile, dt * Cfg::kTile, 0, c.s0, c.batch);
   }
   int j = 0;  // blocks streamed so far (stage j % kStages, its use j / kStages)
   bool emits = c.num_chunks == 1;
@@ -119,7 +119,7 @@ __device__ __forceinline__ void produce(typename Cfg::SharedMemoryPlan& plan, co
           const int key0 = int(c.chunk_begin(ch)) + blk * kBlockKeys;  // keys past N are zero-filled
           for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
             SM90_TMA_LOAD_3D::copy(&tma.k, &plan.full[stage], uint64_t(TMA::CacheHintSm90::EVICT_LAST),
-                                   plan.k + (stage * Cfg::kDimTiles + dt) * kBlockKeys * kDimTile, dt * kDimTile,
+                                   plan.k + (stage * Cfg::kDimTiles + dt) * kBlockKeys * Cfg::kTile, dt * Cfg::kTile,
                                    key0, c.batch);
         }
       }
@@ -360,17 +360,18 @@ LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const 
     return LaunchStatus::kInvalidProblem;
   }
   TmaParams tma{};
+  constexpr int kElemBytes = int(sizeof(typename Cfg::Elem));
   if (LaunchStatus s = encode_head_tile_map(&tma.q, p.index_q, Cfg::DI, p.h_idx, p.s_q, p.batch, Cfg::HT, detail,
-                                            kRows);
+                                            kRows, kElemBytes);
       s != LaunchStatus::kOk)
     return s;
   if (p.s_kv > 0) {  // N = 0: every row is all -1 and no key is read
     const uint64_t dims[3] = {uint64_t(Cfg::DI), uint64_t(p.s_kv), uint64_t(p.batch)};
-    const uint64_t strides[2] = {uint64_t(Cfg::DI) * 2, uint64_t(Cfg::DI) * 2 * uint64_t(p.s_kv)};
-    const uint32_t box[3] = {uint32_t(kDimTile), uint32_t(kBlockKeys), 1u};
+    const uint64_t strides[2] = {uint64_t(Cfg::DI) * kElemBytes, uint64_t(Cfg::DI) * kElemBytes * uint64_t(p.s_kv)};
+    const uint32_t box[3] = {uint32_t(Cfg::kTile), uint32_t(kBlockKeys), 1u};
     const uint32_t elem_strides[3] = {1, 1, 1};
     const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-        &tma.k, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(p.index_k), dims, strides, box, elem_strides,
+        &tma.k, kElemBytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(p.index_k), dims, strides, box, elem_strides,
         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
@@ -386,8 +387,12 @@ LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const 
 }  // namespace attn_dist
 
 // Explicit instantiation: CMake generates one file with this line per entry of
-// jax_attn_dist/ops/indexer_topk/variants.py, compiled up to four to a unit.
+// jax_attn_dist/ops/indexer_topk/variants.py, compiled up to four to a unit;
+// each (DI, HI) variant is built for both element types.
 #define INDEXER_TOPK_INSTANTIATE(DI, HI)                                                                   \
   template attn_dist::LaunchStatus                                                                         \
-  attn_dist::indexer_topk::run_variant<attn_dist::indexer_topk::Config<DI, HI>>(                          \
+  attn_dist::indexer_topk::run_variant<attn_dist::indexer_topk::Config<DI, HI, attn_dist::bf16>>(         \
+      const attn_dist::IndexerTopkParams&, cudaStream_t, const char**);                                    \
+  template attn_dist::LaunchStatus                                                                         \
+  attn_dist::indexer_topk::run_variant<attn_dist::indexer_topk::Config<DI, HI, attn_dist::indexer_topk::fp8>>( \
       const attn_dist::IndexerTopkParams&, cudaStream_t, const char**);

@@ -3,15 +3,20 @@
 // its own generated file (CMake compiles a few to a unit).
 #include <string>
 
+#include <cutlass/bfloat16.h>
+#include <cutlass/float8.h>
+
 #include "params.h"
 #include "variants.h"
 
 namespace attn_dist {
+using bf16 = cutlass::bfloat16_t;
 namespace indexer_topk {
 
 // config.h and kernel.cuh define these; the launcher needs only their names.
-template <int DI, int HT>
+template <int DI, int HT, class Elem>
 struct Config;
+using fp8 = cutlass::float_e4m3_t;
 template <class Cfg>
 LaunchStatus run_variant(const IndexerTopkParams& params, cudaStream_t stream, const char** detail);
 
@@ -25,8 +30,11 @@ LaunchStatus run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, c
   const int chosen = IndexerTopkVariantFor(p.d_idx, p.h_idx);
   if (chosen >= 0) {
     const IndexerTopkVariant& v = kIndexerTopkVariants[chosen];
-#define INDEXER_TOPK_VARIANT(DI, HI) \
-  if (v.di == DI && v.hi == HI) return indexer_topk::run_variant<indexer_topk::Config<DI, HI>>(p, stream, detail);
+#define INDEXER_TOPK_VARIANT(DI, HI)                                                                    \
+  if (v.di == DI && v.hi == HI)                                                                         \
+    return p.float8_inputs                                                                              \
+               ? indexer_topk::run_variant<indexer_topk::Config<DI, HI, indexer_topk::fp8>>(p, stream, detail) \
+               : indexer_topk::run_variant<indexer_topk::Config<DI, HI, bf16>>(p, stream, detail);
 #include "indexer_topk_variants.inc"
 #undef INDEXER_TOPK_VARIANT
   }

@@ -10,7 +10,8 @@
 namespace attn_dist {
 
 // indexer_topk's operands, canonical batched, row-major:
-//   index_q [B, S, HI, DI] bf16, index_k [B, N, DI] bf16, weights [B, S, HI] f32,
+//   index_q [B, S, HI, DI] and index_k [B, N, DI], both bf16 or both float8
+//   e4m3 (`float8_inputs`), weights [B, S, HI] f32,
 //   index_k_scale [B, N] f32, q_start [B] int32, optional row_ranges [B, S, 3]
 //   int32 (only fields 0 and 1, the key range, are read)
 //   -> indices [B, S, 1, topk] int32.
@@ -25,8 +26,9 @@ struct IndexerTopkParams {
   int k_stride;
   float scale;
 
-  const void* index_q;     // cutlass::bfloat16_t
-  const void* index_k;     // cutlass::bfloat16_t
+  bool float8_inputs;      // index_q and index_k are float8 e4m3, else bf16
+  const void* index_q;
+  const void* index_k;
   const float* weights;
   const float* index_k_scale;
   const int32_t* q_start;

@@ -12,7 +12,7 @@ heads the kernel is built for (DeepSeek-V3.2's indexer: DI = 128, HI = 64).
 KERNEL_VARIANTS = ((128, 64),)
 
 #: The index_q/index_k dtypes the kernel reads.
-KERNEL_DTYPES = ("bfloat16",)
+KERNEL_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 if __name__ == "__main__":  # for CMake: one "DI,HI" entry per line
     print("\n".join(",".join(str(x) for x in v) for v in KERNEL_VARIANTS))
