@@ -9,6 +9,10 @@ backward alone, in float32-atomic or deterministic mode). So does a sparse_mla
 shape (mla-v32-h128, ...):
 
     ncu --kernel-name kns=sparse_mla_bwd_kernel ... python3 tools/profile_kernel.py mla-v32-h64 bwd
+
+An indexer_topk shape (topk-v32, topk-v32-fp8, ...) runs the selection kernel:
+
+    ncu --kernel-name regex:indexer_topk_kernel ... python3 tools/profile_kernel.py topk-v32
 """
 
 import sys
@@ -17,8 +21,9 @@ import jax
 
 sys.path.insert(0, "benchmarks")
 import jax_attn_dist  # noqa: E402
-from bench import ATTN_SHAPES, INDEXER_SHAPES, SPARSE_MLA_SHAPES  # noqa: E402
+from bench import ATTN_SHAPES, INDEXER_SHAPES, SPARSE_MLA_SHAPES, TOPK_SHAPES  # noqa: E402
 from indexer_bench import indexer_problem  # noqa: E402
+from indexer_topk_bench import topk_problem  # noqa: E402
 from sparse_mla_bench import sparse_mla_problem  # noqa: E402
 from jax_attn_dist import synthetic  # noqa: E402
 
@@ -45,6 +50,10 @@ elif name in SPARSE_MLA_SHAPES:
         (out, lse), vjp = jax.vjp(fwd, *args[:2])
         cot = (jax.numpy.ones_like(out), jax.numpy.ones_like(lse))
         f, args = jax.jit(lambda vjp, c: vjp(c)), (vjp, cot)
+elif name in TOPK_SHAPES:
+    S, N, HI, DI, topk = TOPK_SHAPES[name][:5]
+    args, kw = topk_problem(S, N, HI, DI, 0, fp8=TOPK_SHAPES[name][5:] == ("fp8",))
+    f = jax.jit(lambda *a: jax_attn_dist.indexer_topk(*a, topk=topk, implementation="cuda", **kw))
 else:
     S, N, H, T, D = ATTN_SHAPES[name]
     p = synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=0)

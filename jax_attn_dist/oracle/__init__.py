@@ -30,9 +30,11 @@ from .indexer import (
 )
 from .indexer_topk import (
     TOPK_TOLERANCE,
+    TOPK_TOLERANCE_FP8_KERNEL,
     assert_topk_acceptable,
     exact_topk,
     indexer_topk_logits_oracle,
+    selection_band,
     topk_selection_error,
 )
 from .sparse_mla import (
@@ -47,6 +49,7 @@ __all__ = [
     "ATTN_DIST_TOLERANCE", "HEADS_PER_GROUP", "INDEXER_TOLERANCE", "assert_indexer_close", "assert_within_spec",
     "attn_dist_oracle", "exact_lse", "indexer_error", "indexer_grads_oracle", "indexer_kl_oracle",
     "indexer_lse_oracle", "packed_owner", "packed_valid_mask", "spec_errors", "to_f64", "valid_mask",
-    "TOPK_TOLERANCE", "assert_topk_acceptable", "exact_topk", "indexer_topk_logits_oracle", "topk_selection_error",
+    "TOPK_TOLERANCE", "TOPK_TOLERANCE_FP8_KERNEL", "assert_topk_acceptable", "exact_topk",
+    "indexer_topk_logits_oracle", "selection_band", "topk_selection_error",
     "SPARSE_MLA_LSE_TOLERANCE", "SPARSE_MLA_OUT_TOLERANCE", "sparse_mla_grads_oracle", "sparse_mla_oracle",
 ]

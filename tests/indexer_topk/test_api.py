@@ -150,21 +150,24 @@ def _lower(fn, args, platform):
 _CALL = re.compile(rf"stablehlo\.custom_call @{topk_contract.FFI_TARGET}\((.*)")
 
 
-@pytest.mark.parametrize("batched,wdt,key_scale", [(True, F32, False), (False, BF16, True)])
-def test_cuda_lowering_calls_the_kernel(cross_lowering, batched, wdt, key_scale):
+@pytest.mark.parametrize("batched,wdt,key_scale,dtype",
+                         [(True, F32, False, BF16), (False, BF16, True, BF16), (True, F32, True, FP8)])
+def test_cuda_lowering_calls_the_kernel(cross_lowering, batched, wdt, key_scale, dtype):
     """One custom call with the handler's operands (index_q, index_k,
     weights f32, index_k_scale f32, q_start, row_ranges), result and
-    attributes; the CPU lowering has none."""
+    attributes; the CPU lowering has none. float8 inputs reach the kernel as
+    they are."""
     B = 2 if batched else None
     iq, ik, w, kw = make_topk_inputs(0, B=B, S=4, HI=64, DI=128, N=9, weights_dtype=wdt, key_scale=key_scale,
-                                     q_start_index="batch" if batched else None)
+                                     q_start_index="batch" if batched else None, dtype=dtype)
+    et = "bf16" if dtype == BF16 else "f8E4M3FN"
     qs = kw.pop("q_start_index")
     f = lambda a, b, c, s: indexer_topk(a, b, c, topk=5, q_start_index=s, **kw)  # noqa: E731
     text = _lower(f, (iq, ik, w, qs), "cuda")
     calls = _CALL.findall(text)
     assert len(calls) == 1, text
     Bc = B or 1
-    operands = (f"tensor<{Bc}x4x64x128xbf16>, tensor<{Bc}x9x128xbf16>, tensor<{Bc}x4x64xf32>, tensor<{Bc}x9xf32>, "
+    operands = (f"tensor<{Bc}x4x64x128x{et}>, tensor<{Bc}x9x128x{et}>, tensor<{Bc}x4x64xf32>, tensor<{Bc}x9xf32>, "
                 f"tensor<{Bc}xi32>, tensor<{Bc}x4x0xi32>) -> tensor<{Bc}x4x1x5xi32>")
     assert operands in calls[0], calls[0]
     assert re.search(r"scale = [-0-9.e+]+ : f32", calls[0]) and "causal = true" in calls[0]
@@ -183,7 +186,7 @@ def test_cuda_lowering_of_packed_rows(cross_lowering):
     assert "tensor<1x6x3xi32>) -> tensor<1x6x1x3xi32>" in call and "causal = false" in call, call
 
 
-@pytest.mark.parametrize("change", [dict(dtype=F32), dict(dtype=FP8), dict(DI=64), dict(HI=32)])
+@pytest.mark.parametrize("change", [dict(dtype=F32), dict(dtype=F16), dict(DI=64), dict(HI=32)])
 def test_cuda_lowering_uses_xla_where_the_kernel_does_not_apply(cross_lowering, change):
     shape = dict(HI=64, DI=128, dtype=BF16)
     shape.update(change)
@@ -198,7 +201,8 @@ def test_cuda_lowering_uses_xla_where_the_kernel_does_not_apply(cross_lowering, 
 
 
 def test_kernel_supports_variants():
-    assert topk_contract.KERNEL_VARIANTS == ((128, 64),) and topk_contract.KERNEL_DTYPES == ("bfloat16",)
+    assert topk_contract.KERNEL_VARIANTS == ((128, 64),)
+    assert topk_contract.KERNEL_DTYPES == ("bfloat16", "float8_e4m3fn")
     spec = jax.ShapeDtypeStruct
     problem = topk_contract.check_problem(spec((3, 1000, 64, 128), BF16), spec((3, 1, 128), BF16),
                                           spec((3, 1000, 64), BF16))

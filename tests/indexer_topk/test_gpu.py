@@ -17,7 +17,7 @@ from inputs import register_kernels, seed_of
 from jax_attn_dist import indexer_kl, indexer_topk, oracle
 from jax_attn_dist.oracle import indexer_topk as topk_oracle
 from jax_attn_dist.ops.indexer_topk import contract as topk_contract
-from topk_inputs import check_selection, make_topk_inputs
+from topk_inputs import FP8, check_selection, make_topk_inputs, widest_band
 
 pytestmark = pytest.mark.gpu
 
@@ -53,6 +53,17 @@ CASES = [
     Case(S=200, N=4096, topk=2048, k_stride=4),
     Case(S=33, N=2047, topk=2048, causal=False),               # N = topk - 1: every key, then one -1
     Case(S=100, N=5000, topk=64, B=3, k_stride=2),
+    Case(S=24, N=20000, topk=2048, causal=False),             # more than one chunk: a GEMM pass per radix round
+    Case(S=40, N=20000, topk=512, B=2, per_batch_q_start=True),
+]
+
+# float8 inputs (with index_k_scale): one chunk, batch, and several chunks.
+FP8_CASES = [
+    Case(S=300, N=5000, topk=2048),
+    Case(S=128, N=3000, topk=64, B=2, per_batch_q_start=True),
+    Case(S=33, N=2047, topk=2048, causal=False),
+    Case(S=24, N=20000, topk=2048, causal=False),
+    Case(S=40, N=20000, topk=512, B=2, per_batch_q_start=True),
 ]
 
 
@@ -78,6 +89,27 @@ def _inputs(case: Case, **extra):
 def test_kernel_matches_float64(case):
     iq, ik, w, kw = _inputs(case)
     check_selection(_kernel(iq, ik, w, kw, case.topk), iq, ik, w, kw, case.topk)
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=[c.name for c in FP8_CASES])
+def test_fp8_kernel_matches_float64(case):
+    """float8 index_q/index_k times index_k_scale, against the float64
+    logits of the float8 values, under the float8 kernel's band."""
+    iq, ik, w, kw = _inputs(case, dtype=FP8)
+    got = _kernel(iq, ik, w, kw, case.topk)
+    logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    print(f"{case.name}: widest band {widest_band(got, logits, case.topk):.3g}")
+
+
+def test_fp8_kernel_with_negative_key_scales():
+    """A key's negative scale turns relu(z * scale) into scale * min(z, 0)."""
+    case = Case(S=64, N=3000, topk=256, causal=False)
+    iq, ik, w, kw = _inputs(case, dtype=FP8)
+    ks = np.asarray(kw["index_k_scale"])
+    kw = dict(kw, index_k_scale=jnp.asarray(np.where(np.arange(case.N) % 3 == 0, -ks, ks)))
+    got = _kernel(iq, ik, w, kw, case.topk)
+    logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    print(f"negative scales: widest band {widest_band(got, logits, case.topk):.3g}")
 
 
 def test_kernel_with_key_scales_and_bf16_weights():

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -68,11 +69,12 @@ def test_packed_layout_keeps_every_slot_valid():
 
 def test_sparse_mla_and_topk_rows_are_registered():
     names = list(bench.SPARSE_MLA_SHAPES) + list(bench.TOPK_SHAPES)
-    assert names == ["mla-v32-h128", "mla-v32-h64", "mla-128k-h128", "topk-v32", "topk-32k", "topk-128k"]
+    assert names == ["mla-v32-h128", "mla-v32-h64", "mla-128k-h128", "topk-v32", "topk-v32-fp8", "topk-32k",
+                     "topk-128k"]
     assert set(names) <= set(bench.ALL) and len(set(bench.ALL)) == len(bench.ALL)
     assert bench.SPARSE_MLA_SHAPES["mla-v32-h128"] == (4096, 8192, 128, 2048, 576, 512)
     assert bench.SPARSE_MLA_SHAPES["mla-128k-h128"][1] == 131072
-    assert [bench.TOPK_SHAPES[n][1] for n in bench.TOPK_SHAPES] == [8192, 32768, 131072]
+    assert [bench.TOPK_SHAPES[n][1] for n in bench.TOPK_SHAPES] == [8192, 8192, 32768, 131072]
     import jax
 
     if jax.default_backend() != "gpu":  # the names parse; without a GPU main stops before timing
@@ -131,7 +133,21 @@ def test_indexer_topk_row_on_cpu():
     assert row["kernel_frac_gemm"] == pytest.approx(row["gemm_floor_ms"] / row["kernel_ms"])
     from indexer_topk_bench import TOPK_XLA_SHAPES
 
-    assert TOPK_XLA_SHAPES == ("topk-v32",)
+    assert TOPK_XLA_SHAPES == ("topk-v32", "topk-v32-fp8")
+
+
+def test_indexer_topk_fp8_row_on_cpu():
+    """The float8 row quantises the inputs (key scales as index_k_scale) and
+    checks its rows against the float64 logits of the float8 values."""
+    row = bench.bench_indexer_topk("topk-v32-fp8", (10, 40, 4, 16, 8, "fp8"), calls=1, samples=1, gemm_tflops=1.0,
+                                   implementation="xla")
+    assert row["dtype"] == "float8_e4m3fn" and row["fp8_gemm_tflops"] == 1.0
+    assert row["oracle_rows_checked"] == 8 and row["oracle_rows_bad"] == 0
+    assert row["rows_differing_from_xla"] == 0
+    from indexer_topk_bench import topk_problem
+
+    (iq, ik, w), kw = topk_problem(10, 40, 4, 16, 0, fp8=True)
+    assert iq.dtype == ik.dtype == jnp.float8_e4m3fn and kw["index_k_scale"].shape == (40,)
 
 
 def test_table_has_the_floor_column():

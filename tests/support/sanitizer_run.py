@@ -37,7 +37,8 @@ topk_length, checked against the float64 oracle. indexer_topk: the kernel
 8192-key chunk per row: the multi-pass path) and N 300 causal with per-batch
 q_start (rows with no key, rows with fewer keys than topk), topk 64 and
 2048, and packed calls (a sequence of more than 8192 keys, padding rows),
-each row checked under SPEC 9.3's rule. sparse_mla_bwd: the backward's
+and the float8 variant on one chunk and several, each row checked under
+SPEC 9.3's rule. sparse_mla_bwd: the backward's
 kernels (row terms, main, and the deterministic mode's bound and
 conversion) on adversarial indices, rows with no valid slot and partial
 head tiles, both D and both modes, gradients checked against the float64
@@ -58,6 +59,7 @@ import sparse_mla_cases
 import topk_inputs
 from inputs import seed_of
 from jax_attn_dist import indexer_topk, oracle
+from jax_attn_dist.oracle import indexer_topk as topk_oracle
 from packed_cases import CASES as PACKED_CASES
 
 ATTN_DIST = [
@@ -214,7 +216,9 @@ def indexer_topk_call(topk, iq, ik, w, kw, **packing):
                                                    **kw, **p))
     got = jax.block_until_ready(f(iq, ik, w, qs, packing))
     host = {k: np.asarray(v) for k, v in packing.items()}
-    topk_inputs.check_selection(got, iq, ik, w, dict(kw, q_start_index=np.asarray(qs)), topk, **host)
+    fp8 = jnp.dtype(iq.dtype) == jnp.dtype(topk_inputs.FP8)
+    rtol = topk_oracle.TOPK_TOLERANCE_FP8_KERNEL if fp8 else topk_oracle.TOPK_TOLERANCE
+    topk_inputs.check_selection(got, iq, ik, w, dict(kw, q_start_index=np.asarray(qs)), topk, rtol, **host)
 
 
 def indexer_topk_checks():
@@ -239,6 +243,13 @@ def indexer_topk_checks():
             indexer_topk_call(topk, iq, ik, w, kw, cu_seqlens_q=jnp.asarray([0, 3, 4, 7], jnp.int32),
                               cu_seqlens_k=jnp.asarray([0, 100, 200, 9000], jnp.int32))
         checks.append(Named(f"indexer_topk-packed-c{int(causal)}-k{topk}", packed))
+    for N, causal, topk in ((9000, False, 2048), (300, True, 64)):
+        def fp8(N=N, causal=causal, topk=topk):  # the float8 variant: one chunk and several
+            iq, ik, w, kw = topk_inputs.make_topk_inputs(
+                seed_of("sanitize-topk-fp8", N, causal), B=2, S=9, HI=HI, DI=DI, N=N, causal=causal,
+                dtype=topk_inputs.FP8, q_start_index=np.asarray([-3, 150], np.int32) if causal else 0)
+            indexer_topk_call(topk, iq, ik, w, kw)
+        checks.append(Named(f"indexer_topk-fp8-b2-s9-n{N}-c{int(causal)}-k{topk}", fp8))
     return checks
 
 

@@ -55,12 +55,19 @@ def oracle_logits(index_q, index_k, weights, kwargs, **packing):
     return topk_oracle.indexer_topk_logits_oracle(index_q, index_k, weights, **kw, **packing)
 
 
-def check_selection(indices, index_q, index_k, weights, kwargs, topk, **packing):
-    """indices [B?, S, 1, topk] is int32 and acceptable under SPEC §9.3 for
-    every row; returns the float64 logits."""
+def check_selection(indices, index_q, index_k, weights, kwargs, topk, rtol=topk_oracle.TOPK_TOLERANCE, **packing):
+    """indices [B?, S, 1, topk] is int32 and acceptable under SPEC §9.3 (the
+    band ``rtol``) for every row; returns the float64 logits."""
     indices = np.asarray(indices)
     logits = oracle_logits(index_q, index_k, weights, kwargs, **packing)
     assert indices.dtype == np.int32, indices.dtype
     assert indices.shape == logits.shape[:-1] + (1, topk), (indices.shape, logits.shape)
-    topk_oracle.assert_topk_acceptable(indices, logits, topk)
+    topk_oracle.assert_topk_acceptable(indices, logits, topk, rtol)
     return logits
+
+
+def widest_band(indices, logits, topk):
+    """The widest SPEC §9.3 band any row of ``indices`` needs (a measure,
+    for reports; the check is check_selection)."""
+    sel = np.asarray(indices).reshape(np.shape(logits)[:-1] + (topk,))
+    return max(topk_oracle.selection_band(logits[pos], sel[pos], topk) for pos in np.ndindex(*np.shape(logits)[:-1]))
