@@ -14,6 +14,12 @@
 
 namespace attn_dist {
 
+// The TMA element type of a bf16 tensor (elem_bytes 2), or of a 1-byte one
+// (float8) read as raw bytes.
+inline CUtensorMapDataType tensor_map_type(int elem_bytes) {
+  return elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+}
+
 // A 4-D map over a row-major [B, S, H, D] tensor of bf16 (elem_bytes 2) or
 // of a 1-byte type (float8), dims (D, H, S, B), box (one 128-byte row of
 // dims, `head_tile` heads, `rows` query rows, 1), 128-byte swizzle: one WGMMA
@@ -26,9 +32,8 @@ inline LaunchStatus encode_head_tile_map(CUtensorMap* map, const void* base, int
   const uint64_t strides[3] = {row, row * uint64_t(H), row * uint64_t(H) * uint64_t(S)};  // dims 1..3
   const uint32_t box[4] = {uint32_t(128 / elem_bytes), uint32_t(head_tile), uint32_t(rows), 1u};
   const uint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type = elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      map, type, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+      map, tensor_map_type(elem_bytes), 4, const_cast<void*>(base), dims, strides, box, elem_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {

@@ -371,7 +371,7 @@ LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const 
     const uint32_t box[3] = {uint32_t(Cfg::kTile), uint32_t(kBlockKeys), 1u};
     const uint32_t elem_strides[3] = {1, 1, 1};
     const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-        &tma.k, kElemBytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(p.index_k), dims, strides, box, elem_strides,
+        &tma.k, tensor_map_type(kElemBytes), 3, const_cast<void*>(p.index_k), dims, strides, box, elem_strides,
         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
