@@ -92,6 +92,18 @@ def exact_topk(row_logits, topk):
     return out
 
 
+def _row_cut(row_logits, topk):
+    """SPEC §9.3's terms of one float64 row: (valid mask, k = min(topk,
+    valid keys), the cut = the k-th largest valid logit, max |valid logit|);
+    the cut and the scale are None and 0 when no key is valid."""
+    valid = row_logits > -np.inf
+    k = min(topk, int(valid.sum()))
+    if k == 0:
+        return valid, 0, None, 0.0
+    vals = row_logits[valid]
+    return valid, k, np.sort(vals)[::-1][k - 1], np.abs(vals).max()
+
+
 def topk_selection_error(row_logits, selection, topk, rtol=TOPK_TOLERANCE):
     """None when ``selection`` (int [topk]) is an acceptable selection for a
     row whose float64 logits are ``row_logits`` ([N], -inf where a key is
@@ -108,8 +120,7 @@ def topk_selection_error(row_logits, selection, topk, rtol=TOPK_TOLERANCE):
     if sel.shape != (topk,):
         return f"selection has shape {sel.shape}, expected ({topk},)"
     N = row_logits.shape[0]
-    valid = row_logits > -np.inf
-    k = min(topk, int(valid.sum()))
+    valid, k, cut, scale = _row_cut(row_logits, topk)
     head, tail = sel[:k], sel[k:]
     if np.any(tail != -1):
         return f"entries past the first {k} (the number of selectable keys) must be -1, got {tail.tolist()}"
@@ -121,9 +132,7 @@ def topk_selection_error(row_logits, selection, topk, rtol=TOPK_TOLERANCE):
         return f"the keys must be strictly ascending, got {head.tolist()}"
     if not np.all(valid[head]):
         return f"invalid keys selected: {head[~valid[head]].tolist()}"
-    vals = row_logits[valid]
-    cut = np.sort(vals)[::-1][k - 1]
-    tol = rtol * np.abs(vals).max()
+    tol = rtol * scale
     chosen = np.zeros(N, bool)
     chosen[head] = True
     low = head[row_logits[head] < cut - tol]
@@ -143,19 +152,15 @@ def selection_band(row_logits, selection, topk):
     row's max |valid logit|, its set reaches across the cut (0 when it is
     the exact set, or a tie's other choice)."""
     row_logits = np.asarray(row_logits, np.float64)
-    valid = row_logits > -np.inf
-    k = min(topk, int(valid.sum()))
+    valid, k, cut, scale = _row_cut(row_logits, topk)
     if k == 0:
         return 0.0
     head = np.asarray(selection).astype(np.int64).reshape(-1)[:k]
-    vals = row_logits[valid]
-    cut = np.sort(vals)[::-1][k - 1]
     chosen = np.zeros(row_logits.shape[0], bool)
     chosen[head] = True
     below = cut - row_logits[head].min()
     left = row_logits[valid & ~chosen]
     above = (left.max() - cut) if left.size else 0.0
-    scale = np.abs(vals).max()
     return float(max(below, above, 0.0) / scale) if scale > 0 else 0.0
 
 
