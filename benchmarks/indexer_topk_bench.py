@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from timing import extra_memory_bytes, time_calls
+from timing import extra_memory_bytes, gemm_ceiling, time_calls
 
 # name: (S, N, HI, DI, topk[, "fp8"]). DeepSeek-V3.2's indexer (SPEC §7), causal, q_start = N - S;
 # "fp8": float8_e4m3fn inputs quantised as topk_problem says.
@@ -62,16 +62,6 @@ def topk_problem(S, N, HI, DI, seed, fp8=False):
     return (index_q, index_k, weights * q_scale), dict(kw, index_k_scale=k_scale)
 
 
-def fp8_gemm_tflops(calls, samples, n=8192):
-    """TFLOP/s of a dense float8_e4m3fn n^3 matmul (float32 out) under XLA."""
-    ka, kb = jax.random.split(jax.random.key(2))
-    a = jax.random.normal(ka, (n, n), jnp.float32).astype(jnp.float8_e4m3fn)
-    b = jax.random.normal(kb, (n, n), jnp.float32).astype(jnp.float8_e4m3fn)
-    mm = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())),
-                                                  preferred_element_type=jnp.float32))
-    return 2 * n**3 / time_calls(mm, [(a, b), (b, a)], calls=calls, samples=samples) / 1e12
-
-
 def oracle_check(indices, arrays, kw, topk, rows=ORACLE_ROWS, rtol=None):
     """(rows checked, rows failing): the first and last ``rows`` rows against
     SPEC §9.3's acceptance rule (band ``rtol``, the bf16 one by default) on
@@ -117,7 +107,8 @@ def bench_indexer_topk(name, dims, *, calls, samples, gemm_tflops, with_xla=True
     out_k = kernel(*arg_sets[0])
     t_k = time_calls(kernel, arg_sets, calls=calls, samples=samples)
     if fp8:  # the floor at the float8 GEMM rate (the dense bf16 one where XLA's float8 dot is slower)
-        row["fp8_gemm_tflops"] = fp8_gemm_tflops(calls, samples) if implementation == "cuda" else gemm_tflops
+        row["fp8_gemm_tflops"] = (gemm_ceiling(calls, samples, jnp.float8_e4m3fn) if implementation == "cuda"
+                                  else gemm_tflops)
         gemm_tflops = max(gemm_tflops, row["fp8_gemm_tflops"])
     floor = flops / (gemm_tflops * 1e12)
     row.update(

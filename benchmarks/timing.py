@@ -37,22 +37,26 @@ def extra_memory_bytes(jitted, *args) -> int | None:
         return None
 
 
-def gemm_problem(n: int = 8192):
-    """The ceiling's dense bf16 n^3 matmul: (jitted, two input sets, FLOPs)."""
+def gemm_problem(n: int = 8192, dtype=jnp.bfloat16):
+    """The ceiling's dense n^3 matmul of ``dtype`` operands, float32
+    accumulation (bf16, or float8_e4m3fn with a float32 result): (jitted,
+    two input sets, FLOPs)."""
     ka, kb = jax.random.split(jax.random.key(1))
-    sets = [
-        (jax.random.normal(ka, (n, n), jnp.bfloat16), jax.random.normal(kb, (n, n), jnp.bfloat16)),
-        (jax.random.normal(kb, (n, n), jnp.bfloat16), jax.random.normal(ka, (n, n), jnp.bfloat16)),
-    ]
-    return jax.jit(lambda a, b: a @ b), sets, 2 * n**3
+    a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+    if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+        mm = jax.jit(lambda x, y: x @ y)
+    else:  # B K-major, as the float8 tensor cores take it
+        mm = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())),
+                                                      preferred_element_type=jnp.float32))
+    return mm, [(a, b), (b, a)], 2 * n**3
 
 
-def gemm_ceiling(calls: int, samples: int) -> float:
-    """TFLOP/s of a dense bf16 8192^3 matmul on random data."""
-    mm, sets, flops = gemm_problem()
+def gemm_ceiling(calls: int, samples: int, dtype=jnp.bfloat16) -> float:
+    """TFLOP/s of a dense 8192^3 matmul of ``dtype`` on random data."""
+    mm, sets, flops = gemm_problem(dtype=dtype)
     t = time_calls(mm, sets, calls=calls, samples=samples)
     return flops / t / 1e12
-
 
 
 def time_pair(f_base, f_var, base_sets, var_sets, *, calls, samples):
