@@ -224,15 +224,18 @@ def indexer_topk_call(topk, iq, ik, w, kw, **packing):
 def indexer_topk_checks():
     HI, DI = 64, 128
     checks = []
-    for N, causal in ((9000, False), (300, True)):
-        for topk in (64, 2048):
-            def case(N=N, causal=causal, topk=topk):
-                # causal: the first element's rows see 0 to 6 keys (rows 0-2 none), the second's 151 to 159
-                iq, ik, w, kw = topk_inputs.make_topk_inputs(
-                    seed_of("sanitize-topk", N, causal), B=2, S=9, HI=HI, DI=DI, N=N, causal=causal,
-                    q_start_index=np.asarray([-3, 150], np.int32) if causal else 0)
-                indexer_topk_call(topk, iq, ik, w, kw)
-            checks.append(Named(f"indexer_topk-b2-s9-n{N}-c{int(causal)}-k{topk}", case))
+    # bf16 on both paths and both topk; the float8 variant on one chunk and several
+    unpacked = [(N, causal, topk, "") for N, causal in ((9000, False), (300, True)) for topk in (64, 2048)]
+    unpacked += [(9000, False, 2048, "-fp8"), (300, True, 64, "-fp8")]
+    for N, causal, topk, fp8 in unpacked:
+        def case(N=N, causal=causal, topk=topk, fp8=fp8):
+            # causal: the first element's rows see 0 to 6 keys (rows 0-2 none), the second's 151 to 159
+            iq, ik, w, kw = topk_inputs.make_topk_inputs(
+                seed_of(f"sanitize-topk{fp8}", N, causal), B=2, S=9, HI=HI, DI=DI, N=N, causal=causal,
+                dtype=topk_inputs.FP8 if fp8 else jnp.bfloat16,
+                q_start_index=np.asarray([-3, 150], np.int32) if causal else 0)
+            indexer_topk_call(topk, iq, ik, w, kw)
+        checks.append(Named(f"indexer_topk{fp8}-b2-s9-n{N}-c{int(causal)}-k{topk}", case))
     for causal, topk in ((False, 2048), (True, 64)):
         def packed(causal=causal, topk=topk):
             # rows 7 and 8 are padding; the third sequence has 8800 keys (more than one chunk), its rows
@@ -243,13 +246,6 @@ def indexer_topk_checks():
             indexer_topk_call(topk, iq, ik, w, kw, cu_seqlens_q=jnp.asarray([0, 3, 4, 7], jnp.int32),
                               cu_seqlens_k=jnp.asarray([0, 100, 200, 9000], jnp.int32))
         checks.append(Named(f"indexer_topk-packed-c{int(causal)}-k{topk}", packed))
-    for N, causal, topk in ((9000, False, 2048), (300, True, 64)):
-        def fp8(N=N, causal=causal, topk=topk):  # the float8 variant: one chunk and several
-            iq, ik, w, kw = topk_inputs.make_topk_inputs(
-                seed_of("sanitize-topk-fp8", N, causal), B=2, S=9, HI=HI, DI=DI, N=N, causal=causal,
-                dtype=topk_inputs.FP8, q_start_index=np.asarray([-3, 150], np.int32) if causal else 0)
-            indexer_topk_call(topk, iq, ik, w, kw)
-        checks.append(Named(f"indexer_topk-fp8-b2-s9-n{N}-c{int(causal)}-k{topk}", fp8))
     return checks
 
 
