@@ -74,16 +74,9 @@ __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& pla
 template <class Acc>
 __device__ __forceinline__ void scores_to_p(Acc& acc, uint64_t valid, float scale_log2, const float (&lse2)[2],
                                             int lane) {
-  CUTE_UNROLL
-  for (int j = 0; j < kBlockTopk / 8; ++j)
-    CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh)
-      CUTE_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * (lane % 4) + e;
-        const int i = 4 * j + 2 * rh + e;
-        acc(i) = (valid >> col) & 1 && lse2[rh] != INFINITY ? fast_exp2(acc(i) * scale_log2 - lse2[rh]) : 0.f;
-      }
+  for_each_acc_element(lane, [&](int i, int rh, int col) {
+    acc(i) = (valid >> col) & 1 && lse2[rh] != INFINITY ? fast_exp2(acc(i) * scale_log2 - lse2[rh]) : 0.f;
+  });
 }
 
 // dP -> dS in place from P (read back from its shared tile, where this

@@ -45,6 +45,19 @@ __device__ __forceinline__ void issue_block_scores(const bf16* a_smem, uint64_t*
   warpgroup_fence_operand(acc);
 }
 
+// Visits this thread's elements of a 64 x 64 f32 accumulator (the WGMMA
+// layout): f(i, rh, col) for acc(i), which is row 16 warp + lane / 4 + 8 rh,
+// column col.
+template <class F>
+__device__ __forceinline__ void for_each_acc_element(int lane, F&& f) {
+  CUTE_UNROLL
+  for (int j = 0; j < kBlockTopk / 8; ++j)
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh)
+      CUTE_UNROLL
+      for (int e = 0; e < 2; ++e) f(4 * j + 2 * rh + e, rh, 8 * j + 2 * (lane % 4) + e);
+}
+
 // A 64 x 64 f32 accumulator as bf16 pairs into `tile` (64 x 64, K-major
 // with the 128-byte swizzle: each pair stays within a 16-byte chunk). The
 // thread holds rows row0 (= 16 warp + lane / 4) and row0 + 8, columns

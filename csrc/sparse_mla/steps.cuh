@@ -64,18 +64,11 @@ template <class Acc>
 __device__ __forceinline__ void mask_scale_row_max(Acc& accS, uint64_t valid, float scale_log2,
                                                    float (&row_max)[2], int lane) {
   row_max[0] = row_max[1] = -INFINITY;
-  CUTE_UNROLL
-  for (int j = 0; j < kBlockTopk / 8; ++j)
-    CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh)
-      CUTE_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * (lane % 4) + e;
-        const int i = 4 * j + 2 * rh + e;
-        const float x = (valid >> col) & 1 ? accS(i) * scale_log2 : -INFINITY;
-        accS(i) = x;
-        row_max[rh] = fmaxf(row_max[rh], x);
-      }
+  for_each_acc_element(lane, [&](int i, int rh, int col) {
+    const float x = (valid >> col) & 1 ? accS(i) * scale_log2 : -INFINITY;
+    accS(i) = x;
+    row_max[rh] = fmaxf(row_max[rh], x);
+  });
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
     row_max[rh] = fmaxf(row_max[rh], __shfl_xor_sync(0xffffffffu, row_max[rh], 1));
