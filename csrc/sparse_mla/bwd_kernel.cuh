@@ -86,7 +86,7 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
   Tensor accDq = partition_fragment_C(typename Cfg::MmaDq4{}, Shape<Int<Cfg::HT>, Int<bwd::kDqValueDims>>{});
   clear(accDq);
   float delta[2];
-  load_delta<Cfg>(p, c, thread, delta);
+  load_head_values<Cfg>(p.row_delta, p, c, thread, 0.f, delta);
   const int num_blocks = c.slots.num_blocks();
   CUTE_NO_UNROLL
   for (int block = 0; block < num_blocks; ++block) {

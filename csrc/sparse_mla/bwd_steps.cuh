@@ -32,30 +32,30 @@ using cutlass::arch::NamedBarrier;
 
 __device__ __forceinline__ int acc_row(int thread, int rh) { return 16 * (thread / 32) + (thread % 32) / 4 + 8 * rh; }
 
+// This thread's two heads' values of a per-(token, head) array [B, S, H]
+// (lse, the row terms); `past_h` for a head past H.
+template <class Cfg>
+__device__ __forceinline__ void load_head_values(const float* values, const SparseMlaBwdParams& p,
+                                                 const CtaProblem& c, int thread, float past_h, float (&out)[2]) {
+  const int64_t token = int64_t(c.batch) * p.s_q + c.s;
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    const int head = c.head_tile * Cfg::HT + acc_row(thread, rh);
+    out[rh] = head < p.h_q ? __ldg(values + token * p.h_q + head) : past_h;
+  }
+}
+
 // This thread's two heads' lse in base 2, +inf where the head takes no
 // probability (a non-finite lse, or a head past H): scores_to_p gives those
 // heads P = 0, whatever their scores hold.
 template <class Cfg>
 __device__ __forceinline__ void load_lse2(const SparseMlaBwdParams& p, const CtaProblem& c, int thread,
                                           float (&lse2)[2]) {
-  const int64_t token = int64_t(c.batch) * p.s_q + c.s;
+  load_head_values<Cfg>(p.lse, p, c, thread, -INFINITY, lse2);
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
-    const int head = c.head_tile * Cfg::HT + acc_row(thread, rh);
-    float l = head < p.h_q ? __ldg(p.lse + token * p.h_q + head) : -INFINITY;
-    if (p.lse_base_e) l *= 1.4426950408889634f;  // log2(e)
+    const float l = p.lse_base_e ? lse2[rh] * 1.4426950408889634f : lse2[rh];  // log2(e)
     lse2[rh] = fabsf(l) <= FLT_MAX ? l : INFINITY;
-  }
-}
-
-template <class Cfg>
-__device__ __forceinline__ void load_delta(const SparseMlaBwdParams& p, const CtaProblem& c, int thread,
-                                           float (&delta)[2]) {
-  const int64_t token = int64_t(c.batch) * p.s_q + c.s;
-  CUTE_UNROLL
-  for (int rh = 0; rh < 2; ++rh) {
-    const int head = c.head_tile * Cfg::HT + acc_row(thread, rh);
-    delta[rh] = head < p.h_q ? p.row_delta[token * p.h_q + head] : 0.f;
   }
 }
 
