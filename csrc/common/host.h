@@ -57,11 +57,12 @@ inline int device_sm_count() { return device_attribute(cudaDevAttrMultiProcessor
 inline int64_t device_l2_bytes() { return device_attribute(cudaDevAttrL2CacheSize); }
 
 // Launches `kernel` on a `grid` of CTAs with `smem` bytes of dynamic shared
-// memory; the error returned is this launch's (cudaLaunchKernelEx), not a
+// memory, in clusters of `cluster_x` consecutive CTAs along x (1: no
+// clusters); the error returned is this launch's (cudaLaunchKernelEx), not a
 // stale one that cudaGetLastError might report.
 template <class... Params, class... Args>
-LaunchStatus launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream,
-                           const char** detail, Args&&... args) {
+LaunchStatus launch_kernel_clustered(void (*kernel)(Params...), dim3 grid, unsigned cluster_x, int threads, int smem,
+                                     cudaStream_t stream, const char** detail, Args&&... args) {
   // Per device, so set on every launch (host-side, no synchronisation). The
   // carveout asks for all of L1 as shared memory: left to itself the driver
   // may pick a split that fits one CTA of a kernel meant to run two per SM.
@@ -74,6 +75,15 @@ LaunchStatus launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, in
     config.blockDim = dim3(unsigned(threads));
     config.dynamicSmemBytes = size_t(smem);
     config.stream = stream;
+    cudaLaunchAttribute cluster[1];
+    if (cluster_x > 1) {
+      cluster[0].id = cudaLaunchAttributeClusterDimension;
+      cluster[0].val.clusterDim.x = cluster_x;
+      cluster[0].val.clusterDim.y = 1;
+      cluster[0].val.clusterDim.z = 1;
+      config.attrs = cluster;
+      config.numAttrs = 1;
+    }
     err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   }
   if (err != cudaSuccess) {
@@ -83,15 +93,28 @@ LaunchStatus launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, in
   return LaunchStatus::kOk;
 }
 
-// A 1-D grid of `grid` CTAs (checked to fit).
 template <class... Params, class... Args>
-LaunchStatus launch_kernel(void (*kernel)(Params...), int64_t grid, int threads, int smem, cudaStream_t stream,
+LaunchStatus launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream,
                            const char** detail, Args&&... args) {
-  if (grid <= 0 || grid > INT32_MAX) {
+  return launch_kernel_clustered(kernel, grid, 1u, threads, smem, stream, detail, std::forward<Args>(args)...);
+}
+
+// A 1-D grid of `grid` CTAs (checked to fit, and to be whole clusters).
+template <class... Params, class... Args>
+LaunchStatus launch_kernel_clustered(void (*kernel)(Params...), int64_t grid, unsigned cluster_x, int threads,
+                                     int smem, cudaStream_t stream, const char** detail, Args&&... args) {
+  if (grid <= 0 || grid > INT32_MAX || grid % cluster_x != 0) {
     *detail = "grid size out of range";
     return LaunchStatus::kInvalidProblem;
   }
-  return launch_kernel(kernel, dim3(unsigned(grid)), threads, smem, stream, detail, std::forward<Args>(args)...);
+  return launch_kernel_clustered(kernel, dim3(unsigned(grid)), cluster_x, threads, smem, stream, detail,
+                                 std::forward<Args>(args)...);
+}
+
+template <class... Params, class... Args>
+LaunchStatus launch_kernel(void (*kernel)(Params...), int64_t grid, int threads, int smem, cudaStream_t stream,
+                           const char** detail, Args&&... args) {
+  return launch_kernel_clustered(kernel, grid, 1u, threads, smem, stream, detail, std::forward<Args>(args)...);
 }
 
 }  // namespace attn_dist

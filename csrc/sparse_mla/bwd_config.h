@@ -17,6 +17,18 @@
 //        Q and dO by TMA.
 // Shared memory holds exactly one key block: Q, dO, one block and the P and
 // dS tiles take 224 KiB of the 227.
+//
+// Head-tile pairs (deterministic mode). The kv gradient's reductions bound
+// the kernel (L2 atomics: S.T.D.8 bytes of 64-bit terms per head tile), so
+// where a token has an even number of head tiles, the deterministic kernel
+// runs the two tiles of each pair as a 2-CTA cluster that reduces every dKV
+// tile once. Rank w reduces consumer warpgroup w's tiles; the other rank's
+// warpgroup w first sends its 64 x 64 float partial of each into rank w's
+// shared memory (the landing: ring stages 6 and 7, which no WGMMA reads
+// between the block's dQ and the next gather), where it is added before the
+// reduction. The reducing warpgroup releases those stages after its last
+// merge of the block. (The float32 kernel is faster unpaired: the per-tile
+// handshake costs it more than the halved reductions save; PERFORMANCE.md.)
 #pragma once
 
 #include <cstdint>
@@ -51,6 +63,18 @@ static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs 
                   kLaunchRegs * kThreads,
               "setmaxnreg budgets exceed the CTA's register allocation");
 
+// The landing of a head-tile pair's dKV partials: one 64 x 64 float tile
+// over ring stages kLandingStage and kLandingStage + 1 (value tiles that,
+// after the scores, only WG1's dQ reads).
+constexpr int kLandingStage = 6;
+constexpr int kLandingStages = 2;
+// Arrivals on a CTA's send_free barrier (the partner's warps arrive): after
+// the block's dQ every warp of both of the partner's consumers arrives once,
+// after each merged tile but the block's last the reducing warpgroup's 4
+// warps twice.
+constexpr uint32_t kSendFreeArrivals = 8;
+constexpr uint32_t kRecvFullArrivals = 4;  // the sender's warps, once a tile
+
 // Named barriers between the consumers (ids above CUTLASS's reserved ones).
 enum Barrier : uint32_t {
   kPReady = 0,       // WG0 wrote the block's P
@@ -75,6 +99,10 @@ struct BwdConfig {
   static constexpr int kRopeTiles = kDimTiles - bwd::kValueTiles;
   static_assert(kRopeTiles <= 1, "WG0 holds at most one rope tile of dQ");
   static __host__ __device__ constexpr int num_head_tiles(int heads) { return (heads + HT - 1) / HT; }
+  // Head tiles run as 2-CTA clusters that merge their dKV partials (above).
+  static __host__ __device__ constexpr bool paired_head_tiles(int heads) {
+    return kDeterministic && num_head_tiles(heads) % 2 == 0;
+  }
 
   // The dKV tiles: WG0 takes the rope tile and value tiles 0..kWg0ValueTiles-1
   // (its S product is longer than WG1's dP by the rope tile), WG1 the rest.
@@ -139,7 +167,13 @@ struct BwdConfig {
     typename Ring::Barriers ring;
     uint64_t q_ready[kDimTiles];             // TMA of Q's dim tile landed
     uint64_t dout_ready[bwd::kValueTiles];   // TMA of dO's dim tile landed
+    uint64_t send_free;  // paired: the partner's landing may take this CTA's next partial
+    uint64_t recv_full;  // paired: the partner's partial is in this CTA's landing
   };
+  static_assert(64 * kDimTile * sizeof(float) == bwd::kLandingStages * Ring::kStageBytes,
+                "the landing holds one 64 x 64 float tile");
+  static_assert(bwd::kLandingStage >= bwd::kDqTilesPerConsumer && bwd::kLandingStage + bwd::kLandingStages == bwd::kValueTiles,
+                "the landing is the last value stages, which only WG1's dQ reads after the scores");
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment
   static_assert(kSmemBytes <= kMaxDynamicSmem, "shared-memory plan too large");
 };

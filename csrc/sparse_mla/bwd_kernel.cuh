@@ -22,6 +22,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "../common/cluster.cuh"
 #include "../common/cta.cuh"
 #include "../common/fixed_point.cuh"
 #include "../common/gather.cuh"
@@ -39,7 +40,8 @@ using cutlass::arch::NamedBarrier;
 // WG0: scores and P; dQ over value tiles 0..3 and the rope tile; its dKV tiles.
 template <class Cfg>
 __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
-                                               const CtaProblem& c, const FixedTerms& fixed, int thread) {
+                                               const CtaProblem& c, const FixedTerms& fixed, PairRole& role,
+                                               int thread) {
   const int lane = thread % 32;
   Tensor accS = partition_fragment_C(typename Cfg::MmaScores{}, Shape<Int<Cfg::HT>, Int<kBlockTopk>>{});
   Tensor accDq = partition_fragment_C(typename Cfg::MmaDq4{}, Shape<Int<Cfg::HT>, Int<bwd::kDqValueDims>>{});
@@ -56,7 +58,7 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
     issue_scores<Cfg, typename Cfg::SmemLayoutQ>(plan, plan.q, plan.q_ready, phase, block == 0, accS, thread);
     const KeyRows rows = block_key_rows<Cfg>(p, c, block, thread);
     warpgroup_wait<0>();
-    release_stages<Cfg>(plan, bwd::kDqTilesPerConsumer, bwd::kDqTilesPerConsumer, lane);  // WG1's dQ tiles
+    release_dq_stages<Cfg>(plan, role, lane);  // WG1's dQ tiles
     scores_to_p(accS, valid_slot_mask(c.slots, slots), p.scale_log2, lse2, lane);
     if (block > 0) NamedBarrier::sync(bwd::kPairThreads, bwd::kWg1DkvDone);  // WG1 no longer reads P
     store_tile<Cfg>(plan.p, accS, thread);
@@ -69,9 +71,10 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
     warpgroup_wait<0>();
     release_stages<Cfg>(plan, 0, bwd::kDqTilesPerConsumer, lane);
     if constexpr (Cfg::kRopeTiles > 0) release_stages<Cfg>(plan, bwd::kValueTiles, Cfg::kRopeTiles, lane);
+    landing_free_after_dq(&plan.send_free, role, lane);
     if (block == 0) wait_tiles_landed(plan.dout_ready, bwd::kValueTiles);  // P^T.dO reads dO, which WG1 waited for
     dkv_tiles<Cfg>(plan, p, rows, true, 0, Cfg::kWg0ValueTiles, block + 1 < num_blocks, bwd::kWg0DkvDone,
-                   fixed, thread);
+                   fixed, role, thread);
   }
   store_dq<Cfg>(p, c, accDq, 0, thread);
   if constexpr (Cfg::kRopeTiles > 0) store_dq<Cfg>(p, c, accDqRope, bwd::kDv, thread);
@@ -80,7 +83,8 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
 // WG1: dP and dS; dQ over value tiles 4..7; its dKV tiles.
 template <class Cfg>
 __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
-                                              const CtaProblem& c, const FixedTerms& fixed, int thread) {
+                                              const CtaProblem& c, const FixedTerms& fixed, PairRole& role,
+                                              int thread) {
   const int lane = thread % 32;
   Tensor accDp = partition_fragment_C(typename Cfg::MmaScores{}, Shape<Int<Cfg::HT>, Int<kBlockTopk>>{});
   Tensor accDq = partition_fragment_C(typename Cfg::MmaDq4{}, Shape<Int<Cfg::HT>, Int<bwd::kDqValueDims>>{});
@@ -106,10 +110,11 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
                                                                           thread);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
-    release_stages<Cfg>(plan, bwd::kDqTilesPerConsumer, bwd::kDqTilesPerConsumer, lane);
+    release_dq_stages<Cfg>(plan, role, lane);
+    landing_free_after_dq(&plan.send_free, role, lane);
     if (block == 0) wait_tiles_landed(plan.q_ready, Cfg::kDimTiles);  // dS^T.Q reads Q, which WG0 waited for
     dkv_tiles<Cfg>(plan, p, rows, false, Cfg::kWg0ValueTiles, bwd::kValueTiles - Cfg::kWg0ValueTiles,
-                   block + 1 < num_blocks, bwd::kWg1DkvDone, fixed, thread);
+                   block + 1 < num_blocks, bwd::kWg1DkvDone, fixed, role, thread);
   }
   store_dq<Cfg>(p, c, accDq, bwd::kDqValueDims, thread);
 }
@@ -134,9 +139,14 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       cutlass::arch::ClusterTransactionBarrier::init(&plan.dout_ready[i], 1);
     // Both consumers release every value stage; the rope stage only WG0 reads and releases.
     Cfg::Ring::init(plan.ring, [](int, int stage) { return stage < bwd::kValueTiles ? bwd::kNumConsumers : 1; });
+    cutlass::arch::ClusterBarrier::init(&plan.send_free, bwd::kSendFreeArrivals);
+    cutlass::arch::ClusterBarrier::init(&plan.recv_full, bwd::kRecvFullArrivals);
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  // A pair's CTAs arrive on each other's barriers: both must have set them up.
+  const bool paired = Cfg::paired_head_tiles(params.h_q);
+  if (paired) cute::cluster_sync();
+  else __syncthreads();
 
   if (warpgroup == bwd::kNumConsumers) {
     cutlass::arch::warpgroup_reg_dealloc<bwd::kProducerRegs>();
@@ -158,9 +168,12 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       fixed.term_limit = __uint_as_float(bits);
       fixed.flag = params.bound_bits + cta.batch;
     }
-    if (warpgroup == 0) consume_scores<Cfg>(plan, params, cta, fixed, thread_in_wg);
-    else consume_grads<Cfg>(plan, params, cta, fixed, thread_in_wg);
+    PairRole role = pair_role(paired, warpgroup);
+    if (warpgroup == 0) consume_scores<Cfg>(plan, params, cta, fixed, role, thread_in_wg);
+    else consume_grads<Cfg>(plan, params, cta, fixed, role, thread_in_wg);
   }
+  // Neither CTA of a pair may exit while the other can still reach its shared memory.
+  if (paired) cute::cluster_sync();
 #elif defined(__CUDA_ARCH__)
   // Built for an architecture without WGMMA/setmaxnreg: fail loudly rather
   // than return gradients that were never written.
@@ -181,8 +194,10 @@ LaunchStatus run_bwd_variant(const SparseMlaBwdParams& p, cudaStream_t stream, c
   if (LaunchStatus s = encode_head_tile_map(&tma.dout, p.dout, bwd::kDv, p.h_q, p.s_q, p.batch, Cfg::HT, detail);
       s != LaunchStatus::kOk)
     return s;
-  return launch_kernel(&sparse_mla_bwd_kernel<Cfg>, int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q),
-                       bwd::kThreads, Cfg::kSmemBytes, stream, detail, p, tma);
+  return launch_kernel_clustered(&sparse_mla_bwd_kernel<Cfg>,
+                                 int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q),
+                                 Cfg::paired_head_tiles(p.h_q) ? 2u : 1u, bwd::kThreads, Cfg::kSmemBytes, stream,
+                                 detail, p, tma);
 }
 
 }  // namespace sparse_mla

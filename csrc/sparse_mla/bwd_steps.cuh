@@ -11,6 +11,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "../common/cluster.cuh"
 #include "../common/cta.cuh"
 #include "../common/fixed_point.cuh"
 #include "../common/gather.cuh"
@@ -190,17 +191,24 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
 }
 
 // Adds a dKV tile into the kv gradient: float32 atomics, or (deterministic)
-// 64-bit fixed-point integer atomics, exact in any order.
+// 64-bit fixed-point integer atomics, exact in any order. `partner`: this
+// thread's first float4 of the pair's other partial in the landing
+// (send_dkv_tile's layout), added to each element before it is reduced; or null.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, const Acc& acc, const KeyRows& rows,
-                                                int tile, const FixedTerms& fixed, int lane) {
+                                                int tile, const FixedTerms& fixed, const float4* partner, int lane) {
   CUTE_UNROLL
-  for (int rh = 0; rh < 2; ++rh) {
-    if (rows.offset[rh] < 0) continue;
+  for (int j = 0; j < kDimTile / 8; ++j) {
+    float x[4] = {acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)};
+    if (partner) {
+      const float4 v = partner[j * kWarpgroupThreads];
+      x[0] += v.x, x[1] += v.y, x[2] += v.z, x[3] += v.w;
+    }
     CUTE_UNROLL
-    for (int j = 0; j < kDimTile / 8; ++j) {
+    for (int rh = 0; rh < 2; ++rh) {
+      if (rows.offset[rh] < 0) continue;
       const int64_t at = rows.offset[rh] + tile * kDimTile + 8 * j + 2 * (lane % 4);
-      const float x0 = acc(4 * j + 2 * rh), x1 = acc(4 * j + 2 * rh + 1);
+      const float x0 = x[2 * rh], x1 = x[2 * rh + 1];
       if constexpr (Cfg::kDeterministic) {
         if (!(fabsf(x0) <= fixed.term_limit && fabsf(x1) <= fixed.term_limit)) flag_non_finite(fixed.flag);
         auto* dst = reinterpret_cast<unsigned long long*>(p.dkv_fixed + at);
@@ -213,20 +221,112 @@ __device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, con
   }
 }
 
+// Stages [first, first + n) of the block have been read by this warpgroup.
+template <class Cfg>
+__device__ __forceinline__ void release_stages(typename Cfg::SharedMemoryPlan& plan, int first, int n, int lane) {
+  for (int i = 0; i < n; ++i) release_stage<typename Cfg::Ring>(plan.ring, 0, first + i, lane);
+}
+
+// A consumer warpgroup's part in its head-tile pair's dKV merge (bwd_config.h):
+// alone (it reduces its tiles), or in a pair the reducer of its tiles (rank
+// == warpgroup) or their sender. `phase` is the parity of its next wait on the
+// barrier it waits on (recv_full as reducer, send_free as sender).
+struct PairRole {
+  bool paired = false, reducer = false;
+  uint32_t partner = 0;  // the other CTA's rank in the cluster
+  uint32_t phase = 0;
+};
+
+__device__ __forceinline__ PairRole pair_role(bool paired, int warpgroup) {
+  PairRole r;
+  r.paired = paired;
+  if (paired) {
+    const uint32_t rank = cute::block_rank_in_cluster();
+    r.reducer = rank == uint32_t(warpgroup);
+    r.partner = rank ^ 1u;
+  }
+  return r;
+}
+
+// The value stages kDqTilesPerConsumer.. that a consumer releases once its
+// last reader there is done (WG0 after the scores, WG1 after dQ): a pair's
+// reducer keeps the landing's stages until its merges of the block are done.
+template <class Cfg>
+__device__ __forceinline__ void release_dq_stages(typename Cfg::SharedMemoryPlan& plan, const PairRole& role,
+                                                  int lane) {
+  release_stages<Cfg>(plan, bwd::kDqTilesPerConsumer,
+                      role.reducer ? bwd::kLandingStage - bwd::kDqTilesPerConsumer : bwd::kDqTilesPerConsumer, lane);
+}
+
+// The landing's layout: float4 j of thread t (its accumulator elements
+// 4j..4j+3) at float4 j * 128 + t, so that a warp's accesses fill whole
+// bank rows. Both CTAs' threads hold the same elements of a tile.
+template <class Cfg>
+__device__ __forceinline__ float4* landing_of_thread(typename Cfg::SharedMemoryPlan& plan, int thread) {
+  return reinterpret_cast<float4*>(plan.kv + bwd::kLandingStage * Cfg::Ring::kStageElems) + thread;
+}
+
+// After the block's dQ (this warpgroup's WGMMAs read no key stage any more):
+// once both consumers have said so, the partner may send its first partial
+// of the block into this CTA's landing.
+__device__ __forceinline__ void landing_free_after_dq(const uint64_t* send_free, const PairRole& role, int lane) {
+  if (!role.paired) return;
+  __syncwarp();
+  if (lane == 0) arrive_cluster(cluster_address(send_free, role.partner), 1);
+}
+
+// A pair's sender: its waited dKV tile into the reducer's landing, once the
+// reducer has freed it.
+template <class Cfg, class Acc>
+__device__ __forceinline__ void send_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const Acc& acc, PairRole& role,
+                                              int thread) {
+  wait_cluster(&plan.send_free, role.phase);
+  role.phase ^= 1u;
+  const uint32_t dst = cluster_address(landing_of_thread<Cfg>(plan, thread), role.partner);
+  CUTE_UNROLL
+  for (int j = 0; j < kDimTile / 8; ++j)
+    store_cluster_f32x4(dst + uint32_t(j * kWarpgroupThreads) * 16u, acc(4 * j), acc(4 * j + 1), acc(4 * j + 2),
+                        acc(4 * j + 3));
+  __syncwarp();
+  if (thread % 32 == 0) arrive_cluster(cluster_address(&plan.recv_full, role.partner), 1);
+}
+
+// A waited dKV tile: reduced into the kv gradient alone; in a pair, sent by
+// the sender, or reduced by the reducer with the sender's partial added
+// (after which the landing is freed, unless this is the block's last tile).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
+                                                const Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
+                                                PairRole& role, bool last_of_block, int thread) {
+  const int lane = thread % 32;
+  if (!role.paired) return reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, nullptr, lane);
+  if (!role.reducer) return send_dkv_tile<Cfg>(plan, acc, role, thread);
+  wait_cluster(&plan.recv_full, role.phase);
+  role.phase ^= 1u;
+  reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, landing_of_thread<Cfg>(plan, thread), lane);
+  if (!last_of_block) {
+    __syncwarp();
+    if (lane == 0) arrive_cluster(cluster_address(&plan.send_free, role.partner), 2);
+  }
+}
+
 // This warpgroup's dKV tiles of the block: the rope tile (with_rope), then
 // value tiles [first_value, first_value + num_values), each computed, waited
-// for and added into the kv gradient. `done_barrier` is arrived at once the
-// last WGMMA that reads P and dS has completed (if another block follows).
+// for and added into the kv gradient (in a pair: by the reducer, with the
+// sender's partial). `done_barrier` is arrived at once the last WGMMA that
+// reads P and dS has completed (if another block follows). A pair's reducer
+// then releases the landing's stages to the gather.
 template <class Cfg>
 __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                           const KeyRows& rows, bool with_rope, int first_value, int num_values,
-                                          bool more_blocks, uint32_t done_barrier, const FixedTerms& fixed, int thread) {
+                                          bool more_blocks, uint32_t done_barrier, const FixedTerms& fixed,
+                                          PairRole& role, int thread) {
   Tensor acc = partition_fragment_C(typename Cfg::MmaDkv{}, Shape<Int<kBlockTopk>, Int<kDimTile>>{});
   if constexpr (Cfg::kRopeTiles > 0) {
     if (with_rope) {
       issue_dkv_tile<Cfg, false>(plan, bwd::kValueTiles, acc, thread);
       warpgroup_wait<0>();
-      reduce_dkv_tile<Cfg>(p, acc, rows, bwd::kValueTiles, fixed, thread % 32);
+      finish_dkv_tile<Cfg>(plan, p, acc, rows, bwd::kValueTiles, fixed, role, num_values == 0, thread);
     }
   }
   CUTE_NO_UNROLL
@@ -235,7 +335,11 @@ __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, 
     issue_dkv_tile<Cfg, true>(plan, tile, acc, thread);
     warpgroup_wait<0>();
     if (t + 1 == num_values && more_blocks) NamedBarrier::arrive(bwd::kPairThreads, done_barrier);
-    reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, thread % 32);
+    finish_dkv_tile<Cfg>(plan, p, acc, rows, tile, fixed, role, t + 1 == num_values, thread);
+  }
+  if (role.reducer) {
+    __syncwarp();
+    release_stages<Cfg>(plan, bwd::kLandingStage, bwd::kLandingStages, thread % 32);
   }
 }
 
@@ -243,12 +347,6 @@ __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, 
 // before it first reads tiles that the other warpgroup's product waited for.
 __device__ __forceinline__ void wait_tiles_landed(uint64_t* ready, int n) {
   for (int i = 0; i < n; ++i) cutlass::arch::ClusterTransactionBarrier::wait(&ready[i], 0);
-}
-
-// Stages [first, first + n) of the block have been read by this warpgroup.
-template <class Cfg>
-__device__ __forceinline__ void release_stages(typename Cfg::SharedMemoryPlan& plan, int first, int n, int lane) {
-  for (int i = 0; i < n; ++i) release_stage<typename Cfg::Ring>(plan.ring, 0, first + i, lane);
 }
 
 // The consumer's dQ columns: bf16 pairs straight from the accumulator
