@@ -103,8 +103,8 @@ LaunchStatus launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, in
 template <class... Params, class... Args>
 LaunchStatus launch_kernel_clustered(void (*kernel)(Params...), int64_t grid, unsigned cluster_x, int threads,
                                      int smem, cudaStream_t stream, const char** detail, Args&&... args) {
-  if (grid <= 0 || grid > INT32_MAX || grid % cluster_x != 0) {
-    *detail = "grid size out of range";
+  if (grid <= 0 || grid > INT32_MAX || cluster_x == 0 || grid % cluster_x != 0) {
+    *detail = "grid size out of range, or not a whole number of clusters";
     return LaunchStatus::kInvalidProblem;
   }
   return launch_kernel_clustered(kernel, dim3(unsigned(grid)), cluster_x, threads, smem, stream, detail,
