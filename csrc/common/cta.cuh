@@ -17,10 +17,14 @@ namespace attn_dist {
 
 // The kernel's shared-memory plan at the first kSmemAlign boundary of the
 // dynamic shared memory (the launch asks for sizeof(Plan) + kSmemAlign).
+// The pad is added to smem_raw itself, not formed through an integer: a
+// pointer rebuilt from an integer loses its shared-memory provenance, and
+// every access through it compiles to a generic LD/ST/ATOM instead of
+// LDS/STS/ATOMS.
 template <class Plan>
 __device__ __forceinline__ Plan& aligned_plan(char* smem_raw) {
-  return *reinterpret_cast<Plan*>((reinterpret_cast<uintptr_t>(smem_raw) + kSmemAlign - 1) &
-                                  ~uintptr_t(kSmemAlign - 1));
+  const uintptr_t pad = (kSmemAlign - reinterpret_cast<uintptr_t>(smem_raw) % kSmemAlign) % kSmemAlign;
+  return *reinterpret_cast<Plan*>(smem_raw + pad);
 }
 
 // Where CTA `linear` of a grid over (batch, query token, head tile) works:
