@@ -1,7 +1,7 @@
 // Distributed shared memory between the two CTAs of a cluster (SM90): stores
-// into the other CTA's shared memory, and mbarrier arrivals and waits whose
-// ordering spans the cluster (CUTLASS's ClusterBarrier orders only within a
-// CTA: its remote arrive releases at CTA scope).
+// into the other CTA's shared memory that complete on its mbarrier, and
+// mbarrier arrivals and waits at cluster scope (CUTLASS's ClusterBarrier
+// orders only within a CTA: its remote arrive releases at CTA scope).
 #pragma once
 
 #include <cstdint>
@@ -18,21 +18,51 @@ __device__ __forceinline__ uint32_t cluster_address(const void* local, uint32_t 
   return cute::set_block_rank(cute::cast_smem_ptr_to_uint(local), rank);
 }
 
-__device__ __forceinline__ void store_cluster_f32x4(uint32_t addr, float a, float b, float c, float d) {
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
+// Stores four floats into the other CTA's shared memory (`addr`, a cluster
+// address) without waiting for them: their 16 bytes complete a transaction on
+// the other CTA's mbarrier `barrier` (a cluster address too), whose wait then
+// sees them. No fence: an arrival that releases at cluster scope waits for
+// every earlier memory operation of its thread, global reductions included.
+__device__ __forceinline__ void store_async_cluster_f32x4(uint32_t addr, float a, float b, float c, float d,
+                                                          uint32_t barrier) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                   addr),
+               "f"(a), "f"(b), "f"(c), "f"(d), "r"(barrier)
                : "memory");
 }
 
-// `count` arrivals on an mbarrier of another CTA (its cluster address),
-// releasing this thread's earlier memory operations at cluster scope. After a
-// __syncwarp, one lane's arrival releases its warp's operations too.
-__device__ __forceinline__ void arrive_cluster(uint32_t barrier, uint32_t count) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0], %1;" ::"r"(barrier), "r"(count)
+// This CTA's mbarrier expects `bytes` of st.async transactions (and takes
+// this thread's arrival) in its current phase; they may land before or after.
+__device__ __forceinline__ void expect_cluster_bytes(const uint64_t* barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   cute::cast_smem_ptr_to_uint(barrier)),
+               "r"(bytes)
+               : "memory");
+}
+
+// `count` arrivals on an mbarrier of another CTA (its cluster address) that
+// order nothing: for signals that only say "your data was read", given after
+// the reads' values are in registers.
+__device__ __forceinline__ void arrive_cluster_relaxed(uint32_t barrier, uint32_t count) {
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0], %1;" ::"r"(barrier), "r"(count)
                : "memory");
 }
 
 // Waits until the phase of this CTA's mbarrier with the given parity has
-// completed, acquiring what the arriving threads (of either CTA) released.
+// completed, acquiring nothing (the waiter only writes afterwards).
+__device__ __forceinline__ void wait_cluster_relaxed(const uint64_t* barrier, uint32_t parity) {
+  const uint32_t addr = cute::cast_smem_ptr_to_uint(barrier);
+  asm volatile(
+      "{\n\t.reg .pred p;\n"
+      "WAIT:\n\t"
+      "mbarrier.try_wait.parity.relaxed.cluster.shared::cta.b64 p, [%0], %1;\n\t"
+      "@!p bra WAIT;\n}" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+}
+
+// Waits until the phase of this CTA's mbarrier with the given parity has
+// completed, acquiring what completed it (st.async data included).
 __device__ __forceinline__ void wait_cluster(const uint64_t* barrier, uint32_t parity) {
   const uint32_t addr = cute::cast_smem_ptr_to_uint(barrier);
   asm volatile(

@@ -73,7 +73,10 @@ constexpr int kLandingStages = 2;
 // after each merged tile but the block's last the reducing warpgroup's 4
 // warps twice.
 constexpr uint32_t kSendFreeArrivals = 8;
-constexpr uint32_t kRecvFullArrivals = 4;  // the sender's warps, once a tile
+// A tile's partial completes recv_full as st.async transactions; the
+// reducer's thread 0 arms it (one arrival) with the bytes expected.
+constexpr uint32_t kLandingBytes = 64 * kDimTile * sizeof(float);
+constexpr uint32_t kRecvFullArrivals = 1;
 
 // Named barriers between the consumers (ids above CUTLASS's reserved ones).
 enum Barrier : uint32_t {
@@ -101,7 +104,7 @@ struct BwdConfig {
   static __host__ __device__ constexpr int num_head_tiles(int heads) { return (heads + HT - 1) / HT; }
   // Head tiles run as 2-CTA clusters that merge their dKV partials (above).
   static __host__ __device__ constexpr bool paired_head_tiles(int heads) {
-    return kDeterministic && num_head_tiles(heads) % 2 == 0;
+    return num_head_tiles(heads) % 2 == 0;
   }
 
   // The dKV tiles: WG0 takes the rope tile and value tiles 0..kWg0ValueTiles-1
@@ -170,7 +173,7 @@ struct BwdConfig {
     uint64_t send_free;  // paired: the partner's landing may take this CTA's next partial
     uint64_t recv_full;  // paired: the partner's partial is in this CTA's landing
   };
-  static_assert(64 * kDimTile * sizeof(float) == bwd::kLandingStages * Ring::kStageBytes,
+  static_assert(bwd::kLandingBytes == bwd::kLandingStages * Ring::kStageBytes,
                 "the landing holds one 64 x 64 float tile");
   static_assert(bwd::kLandingStage >= bwd::kDqTilesPerConsumer && bwd::kLandingStage + bwd::kLandingStages == bwd::kValueTiles,
                 "the landing is the last value stages, which only WG1's dQ reads after the scores");

@@ -271,23 +271,23 @@ __device__ __forceinline__ float4* landing_of_thread(typename Cfg::SharedMemoryP
 __device__ __forceinline__ void landing_free_after_dq(const uint64_t* send_free, const PairRole& role, int lane) {
   if (!role.paired) return;
   __syncwarp();
-  if (lane == 0) arrive_cluster(cluster_address(send_free, role.partner), 1);
+  if (lane == 0) arrive_cluster_relaxed(cluster_address(send_free, role.partner), 1);
 }
 
 // A pair's sender: its waited dKV tile into the reducer's landing, once the
-// reducer has freed it.
+// reducer has freed it. The stores complete on the reducer's recv_full; the
+// sender waits for none of them, nor for its earlier reductions.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void send_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const Acc& acc, PairRole& role,
                                               int thread) {
-  wait_cluster(&plan.send_free, role.phase);
+  wait_cluster_relaxed(&plan.send_free, role.phase);
   role.phase ^= 1u;
   const uint32_t dst = cluster_address(landing_of_thread<Cfg>(plan, thread), role.partner);
+  const uint32_t full = cluster_address(&plan.recv_full, role.partner);
   CUTE_UNROLL
   for (int j = 0; j < kDimTile / 8; ++j)
-    store_cluster_f32x4(dst + uint32_t(j * kWarpgroupThreads) * 16u, acc(4 * j), acc(4 * j + 1), acc(4 * j + 2),
-                        acc(4 * j + 3));
-  __syncwarp();
-  if (thread % 32 == 0) arrive_cluster(cluster_address(&plan.recv_full, role.partner), 1);
+    store_async_cluster_f32x4(dst + uint32_t(j * kWarpgroupThreads) * 16u, acc(4 * j), acc(4 * j + 1),
+                              acc(4 * j + 2), acc(4 * j + 3), full);
 }
 
 // A waited dKV tile: reduced into the kv gradient alone; in a pair, sent by
@@ -300,12 +300,13 @@ __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& 
   const int lane = thread % 32;
   if (!role.paired) return reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, nullptr, lane);
   if (!role.reducer) return send_dkv_tile<Cfg>(plan, acc, role, thread);
+  if (thread == 0) expect_cluster_bytes(&plan.recv_full, bwd::kLandingBytes);
   wait_cluster(&plan.recv_full, role.phase);
   role.phase ^= 1u;
   reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, landing_of_thread<Cfg>(plan, thread), lane);
   if (!last_of_block) {
     __syncwarp();
-    if (lane == 0) arrive_cluster(cluster_address(&plan.send_free, role.partner), 2);
+    if (lane == 0) arrive_cluster_relaxed(cluster_address(&plan.send_free, role.partner), 2);
   }
 }
 
