@@ -18,17 +18,16 @@
 // Shared memory holds exactly one key block: Q, dO, one block and the P and
 // dS tiles take 224 KiB of the 227.
 //
-// Head-tile pairs (deterministic mode). The kv gradient's reductions bound
-// the kernel (L2 atomics: S.T.D.8 bytes of 64-bit terms per head tile), so
-// where a token has an even number of head tiles, the deterministic kernel
-// runs the two tiles of each pair as a 2-CTA cluster that reduces every dKV
-// tile once. Rank w reduces consumer warpgroup w's tiles; the other rank's
+// Head-tile pairs. The kv gradient's reductions bound the kernel (L2
+// atomics: S.T.D.4 bytes per head tile, 8 in the deterministic mode's 64-bit
+// terms), so where a token has an even number of head tiles, the kernel runs
+// the two tiles of each pair as a 2-CTA cluster that reduces every dKV tile
+// once. Rank w reduces consumer warpgroup w's tiles; the other rank's
 // warpgroup w first sends its 64 x 64 float partial of each into rank w's
 // shared memory (the landing: ring stages 6 and 7, which no WGMMA reads
-// between the block's dQ and the next gather), where it is added before the
-// reduction. The reducing warpgroup releases those stages after its last
-// merge of the block. (The float32 kernel is faster unpaired: the per-tile
-// handshake costs it more than the halved reductions save; PERFORMANCE.md.)
+// between the block's dQ and the next gather) by st.async, which completes
+// on rank w's recv_full, where it is added before the reduction. The
+// reducing warpgroup releases those stages after its last merge of the block.
 #pragma once
 
 #include <cstdint>
