@@ -76,10 +76,13 @@ struct Config {
   static constexpr int kStageBytes = kKeyTileBytes * kDimTiles;
   static constexpr int kLogitRowWords = kChunkKeys + kLogitPad;
   static constexpr int kFixedBytes = kQBytes + kRows * kLogitRowWords * 4 + kRows * kHistBins * 4 + 1024;
-  static constexpr int kStages = (kMaxDynamicSmem - kSmemAlign - kFixedBytes) / kStageBytes;
-  // >= 3: a warpgroup's next block is at most 2 ahead of its last one (the
-  // ring's parity waits rely on it, see kernel.cuh).
-  static_assert(kStages >= 3, "the key ring needs at least three stages");
+  // An even number of stages: block j goes to stage j % kStages and to
+  // warpgroup j % 2, so each stage is only ever read by one warpgroup, which
+  // has itself waited for the stage's previous use before it waits for the
+  // next (a parity wait cannot tell a phase from the one two before it, and
+  // TMA loads need not land in the order they were issued).
+  static constexpr int kStages = (kMaxDynamicSmem - kSmemAlign - kFixedBytes) / kStageBytes / 2 * 2;
+  static_assert(kStages >= 4, "the key ring needs at least two stages per warpgroup");
   using SmemLayoutK = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Elem>{},
       cute::Shape<cute::Int<kBlockKeys>, cute::Int<kTile>, cute::Int<kStages * kDimTiles>>{}));

@@ -127,7 +127,9 @@ __device__ __forceinline__ void produce(typename Cfg::SharedMemoryPlan& plan, co
     if (emits) break;
     __syncwarp();
     asm volatile("bar.sync %0, %1;" ::"n"(kBarPass), "n"(kPassThreads) : "memory");
-    emits = plan.next_pass_emits != 0;
+    // Lane 0 alone reads the flag, before it issues the pass's loads: the
+    // consumers write it again only after those have landed.
+    emits = __shfl_sync(0xffffffffu, lane == 0 ? plan.next_pass_emits : 0, 0) != 0;
   }
 }
 
@@ -268,7 +270,8 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
   int j0 = 0;  // blocks of earlier chunks and passes (both warpgroups count alike)
   auto gemm_chunk = [&](int ch) {
     const int blocks = c.chunk_blocks(ch);
-    for (int blk = wg; blk < blocks; blk += kConsumers)
+    // Block j0 + blk is this warpgroup's where it is wg modulo 2 (config.h: the stages' owners).
+    for (int blk = (wg + j0) & 1; blk < blocks; blk += kConsumers)
       block_logits<Cfg>(plan, p, c, mma, tA, tB, acc, weights, j0 + blk,
                         c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), blk, t);
     j0 += blocks;
