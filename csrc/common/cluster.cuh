@@ -48,30 +48,26 @@ __device__ __forceinline__ void arrive_cluster_relaxed(uint32_t barrier, uint32_
                : "memory");
 }
 
-// Waits until the phase of this CTA's mbarrier with the given parity has
-// completed, acquiring nothing (the waiter only writes afterwards).
+// Spins on this CTA's mbarrier (%0, its shared-window address) until the
+// phase with parity %1 has completed; `sem` is the wait's PTX semantics.
+#define ATTN_DIST_CLUSTER_WAIT_LOOP(sem)                                      \
+  "{\n\t.reg .pred p;\n"                                                   \
+  "WAIT:\n\t"                                                              \
+  "mbarrier.try_wait.parity." sem ".cluster.shared::cta.b64 p, [%0], %1;\n\t" \
+  "@!p bra WAIT;\n}"
+
+// Waits for the phase, acquiring nothing (the waiter only writes afterwards).
 __device__ __forceinline__ void wait_cluster_relaxed(const uint64_t* barrier, uint32_t parity) {
-  const uint32_t addr = cute::cast_smem_ptr_to_uint(barrier);
-  asm volatile(
-      "{\n\t.reg .pred p;\n"
-      "WAIT:\n\t"
-      "mbarrier.try_wait.parity.relaxed.cluster.shared::cta.b64 p, [%0], %1;\n\t"
-      "@!p bra WAIT;\n}" ::"r"(addr),
-      "r"(parity)
-      : "memory");
+  asm volatile(ATTN_DIST_CLUSTER_WAIT_LOOP("relaxed")::"r"(cute::cast_smem_ptr_to_uint(barrier)), "r"(parity)
+               : "memory");
 }
 
-// Waits until the phase of this CTA's mbarrier with the given parity has
-// completed, acquiring what completed it (st.async data included).
+// Waits for the phase, acquiring what completed it (st.async data included).
 __device__ __forceinline__ void wait_cluster(const uint64_t* barrier, uint32_t parity) {
-  const uint32_t addr = cute::cast_smem_ptr_to_uint(barrier);
-  asm volatile(
-      "{\n\t.reg .pred p;\n"
-      "WAIT:\n\t"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n\t"
-      "@!p bra WAIT;\n}" ::"r"(addr),
-      "r"(parity)
-      : "memory");
+  asm volatile(ATTN_DIST_CLUSTER_WAIT_LOOP("acquire")::"r"(cute::cast_smem_ptr_to_uint(barrier)), "r"(parity)
+               : "memory");
 }
+
+#undef ATTN_DIST_CLUSTER_WAIT_LOOP
 
 }  // namespace attn_dist
