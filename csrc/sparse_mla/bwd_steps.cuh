@@ -93,7 +93,9 @@ __device__ __forceinline__ void dp_to_ds(typename Cfg::SharedMemoryPlan& plan, A
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       const int i = 4 * j + 2 * rh;
-      const float2 pr = __bfloat1622float2(load_shared_bf16x2(&sP(acc_row(thread, rh), 8 * j + 2 * (lane % 4))));
+      __nv_bfloat162 p2;
+      cutlass::arch::shared_load<4>(&p2, cute::cast_smem_ptr_to_uint(&sP(acc_row(thread, rh), 8 * j + 2 * (lane % 4))));
+      const float2 pr = __bfloat1622float2(p2);
       acc(i) = pr.x > 0.f ? pr.x * (acc(i) - delta[rh]) * sm_scale : 0.f;
       acc(i + 1) = pr.y > 0.f ? pr.y * (acc(i + 1) - delta[rh]) * sm_scale : 0.f;
     }

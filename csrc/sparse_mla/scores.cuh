@@ -10,6 +10,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/memory.h>
 
 #include "../common/gather.cuh"
 
@@ -58,21 +59,6 @@ __device__ __forceinline__ void for_each_acc_element(int lane, F&& f) {
       for (int e = 0; e < 2; ++e) f(4 * j + 2 * rh + e, rh, 8 * j + 2 * (lane % 4) + e);
 }
 
-// A bf16 pair to and from shared memory by its shared-window address: a
-// pointer taken out of a CuTe tensor through the plan reference loses its
-// address space, and ptxas would emit generic ST/LD for it.
-__device__ __forceinline__ void store_shared_bf16x2(const bf16* at, __nv_bfloat162 v) {
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(at)),
-               "r"(reinterpret_cast<const uint32_t&>(v))
-               : "memory");
-}
-
-__device__ __forceinline__ __nv_bfloat162 load_shared_bf16x2(const bf16* at) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(cute::cast_smem_ptr_to_uint(at)) : "memory");
-  return reinterpret_cast<const __nv_bfloat162&>(v);
-}
-
 // A 64 x 64 f32 accumulator as bf16 pairs into `tile` (64 x 64, K-major
 // with the 128-byte swizzle: each pair stays within a 16-byte chunk). The
 // thread holds rows row0 (= 16 warp + lane / 4) and row0 + 8, columns
@@ -85,7 +71,8 @@ __device__ __forceinline__ void store_acc_tile(Tile& tile, const Acc& acc, int r
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       const int i = 4 * j + 2 * rh;
-      store_shared_bf16x2(&tile(row0 + 8 * rh, 8 * j + 2 * (lane % 4)), __floats2bfloat162_rn(acc(i), acc(i + 1)));
+      const __nv_bfloat162 v = __floats2bfloat162_rn(acc(i), acc(i + 1));
+      cutlass::arch::shared_store<4>(cute::cast_smem_ptr_to_uint(&tile(row0 + 8 * rh, 8 * j + 2 * (lane % 4))), &v);
     }
 }
 
