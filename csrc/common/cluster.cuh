@@ -31,15 +31,6 @@ __device__ __forceinline__ void store_async_cluster_f32x4(uint32_t addr, float a
                : "memory");
 }
 
-// This CTA's mbarrier expects `bytes` of st.async transactions (and takes
-// this thread's arrival) in its current phase; they may land before or after.
-__device__ __forceinline__ void expect_cluster_bytes(const uint64_t* barrier, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cta.b64 _, [%0], %1;" ::"r"(
-                   cute::cast_smem_ptr_to_uint(barrier)),
-               "r"(bytes)
-               : "memory");
-}
-
 // `count` arrivals on an mbarrier of another CTA (its cluster address) that
 // order nothing: for signals that only say "your data was read", given after
 // the reads' values are in registers.

@@ -302,7 +302,7 @@ __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& 
   const int lane = thread % 32;
   if (!role.paired) return reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, nullptr, lane);
   if (!role.reducer) return send_dkv_tile<Cfg>(plan, acc, role, thread);
-  if (thread == 0) expect_cluster_bytes(&plan.recv_full, bwd::kLandingBytes);
+  if (thread == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full, bwd::kLandingBytes);
   wait_cluster(&plan.recv_full, role.phase);
   role.phase ^= 1u;
   reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, landing_of_thread<Cfg>(plan, thread), lane);
