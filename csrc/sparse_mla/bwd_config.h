@@ -27,7 +27,8 @@
 // shared memory (the landing: ring stages 6 and 7, which no WGMMA reads
 // between the block's dQ and the next gather) by st.async, which completes
 // on rank w's recv_full, where it is added before the reduction. The
-// reducing warpgroup releases those stages after its last merge of the block.
+// reducer frees the landing as soon as it has read a partial, before its
+// reductions, and after the block's last merge releases the stages to the gather.
 #pragma once
 
 #include <cstdint>

@@ -192,19 +192,13 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
 }
 
 // Adds a dKV tile into the kv gradient: float32 atomics, or (deterministic)
-// 64-bit fixed-point integer atomics, exact in any order. `partner`: this
-// thread's first float4 of the pair's other partial in the landing
-// (send_dkv_tile's layout), added to each element before it is reduced; or null.
+// 64-bit fixed-point integer atomics, exact in any order.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, const Acc& acc, const KeyRows& rows,
-                                                int tile, const FixedTerms& fixed, const float4* partner, int lane) {
+                                                int tile, const FixedTerms& fixed, int lane) {
   CUTE_UNROLL
   for (int j = 0; j < kDimTile / 8; ++j) {
-    float x[4] = {acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)};
-    if (partner) {
-      const float4 v = partner[j * kWarpgroupThreads];
-      x[0] += v.x, x[1] += v.y, x[2] += v.z, x[3] += v.w;
-    }
+    const float x[4] = {acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)};
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       if (rows.offset[rh] < 0) continue;
@@ -293,31 +287,45 @@ __device__ __forceinline__ void send_dkv_tile(typename Cfg::SharedMemoryPlan& pl
 }
 
 // A waited dKV tile: reduced into the kv gradient alone; in a pair, sent by
-// the sender, or reduced by the reducer with the sender's partial added
-// (after which the landing is freed, unless this is the block's last tile).
+// the sender, or reduced by the reducer with the sender's partial added.
+// The reducer frees the landing as soon as it has read it, before its
+// reductions (whose issue can stall on L2): for the partner's next partial,
+// or, after the block's last tile, for the gather of the next block.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
-                                                const Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
+                                                Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
                                                 PairRole& role, bool last_of_block, int thread) {
   const int lane = thread % 32;
-  if (!role.paired) return reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, nullptr, lane);
-  if (!role.reducer) return send_dkv_tile<Cfg>(plan, acc, role, thread);
-  if (thread == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full, bwd::kLandingBytes);
-  wait_cluster(&plan.recv_full, role.phase);
-  role.phase ^= 1u;
-  reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, landing_of_thread<Cfg>(plan, thread), lane);
-  if (!last_of_block) {
+  if (role.paired) {
+    if (!role.reducer) return send_dkv_tile<Cfg>(plan, acc, role, thread);
+    if (thread == 0)
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full, bwd::kLandingBytes);
+    wait_cluster(&plan.recv_full, role.phase);
+    role.phase ^= 1u;
+    const float4* partner = landing_of_thread<Cfg>(plan, thread);
+    CUTE_UNROLL
+    for (int j = 0; j < kDimTile / 8; ++j) {
+      const float4 v = partner[j * kWarpgroupThreads];
+      acc(4 * j) += v.x, acc(4 * j + 1) += v.y, acc(4 * j + 2) += v.z, acc(4 * j + 3) += v.w;
+    }
+    // The sums exist before the landing is freed: its reads have completed
+    // (the relaxed arrival below orders nothing by itself).
+    warpgroup_fence_operand(acc);
     __syncwarp();
-    if (lane == 0) arrive_cluster_relaxed(cluster_address(&plan.send_free, role.partner), 2);
+    if (!last_of_block) {
+      if (lane == 0) arrive_cluster_relaxed(cluster_address(&plan.send_free, role.partner), 2);
+    } else {
+      release_stages<Cfg>(plan, bwd::kLandingStage, bwd::kLandingStages, lane);
+    }
   }
+  reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, lane);
 }
 
 // This warpgroup's dKV tiles of the block: the rope tile (with_rope), then
 // value tiles [first_value, first_value + num_values), each computed, waited
 // for and added into the kv gradient (in a pair: by the reducer, with the
 // sender's partial). `done_barrier` is arrived at once the last WGMMA that
-// reads P and dS has completed (if another block follows). A pair's reducer
-// then releases the landing's stages to the gather.
+// reads P and dS has completed (if another block follows).
 template <class Cfg>
 __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                           const KeyRows& rows, bool with_rope, int first_value, int num_values,
@@ -338,10 +346,6 @@ __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, 
     warpgroup_wait<0>();
     if (t + 1 == num_values && more_blocks) NamedBarrier::arrive(bwd::kPairThreads, done_barrier);
     finish_dkv_tile<Cfg>(plan, p, acc, rows, tile, fixed, role, t + 1 == num_values, thread);
-  }
-  if (role.reducer) {
-    __syncwarp();
-    release_stages<Cfg>(plan, bwd::kLandingStage, bwd::kLandingStages, thread % 32);
   }
 }
 
