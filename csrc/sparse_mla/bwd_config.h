@@ -22,13 +22,15 @@
 // atomics: S.T.D.4 bytes per head tile, 8 in the deterministic mode's 64-bit
 // terms), so where a token has an even number of head tiles, the kernel runs
 // the two tiles of each pair as a 2-CTA cluster that reduces every dKV tile
-// once. Rank w reduces consumer warpgroup w's tiles; the other rank's
-// warpgroup w first sends its 64 x 64 float partial of each into rank w's
-// shared memory (the landing: ring stages 6 and 7, which no WGMMA reads
-// between the block's dQ and the next gather) by st.async, which completes
-// on rank w's recv_full, where it is added before the reduction. The
-// reducer frees the landing as soon as it has read a partial, before its
-// reductions, and after the block's last merge releases the stages to the gather.
+// once. Each dKV tile is split by columns: rank r reduces columns
+// [32r, 32r + 32) of it. Warpgroup w of each rank sends the other half of its
+// 64 x 64 float partial into the partner's landing for warpgroup w (ring
+// stage 6 + w, which no WGMMA reads between the block's dQ and the next
+// gather) by st.async, which completes on the partner's recv_full[w]; it adds
+// the partner's half of its own columns and reduces them. Both ranks' warps
+// do the same work, and every warp issues half of a tile's reductions. A
+// landing is freed as soon as it is read, before the reductions: for the
+// partner's next half, or after the block's last tile for the gather.
 #pragma once
 
 #include <cstdint>
@@ -63,19 +65,20 @@ static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs 
                   kLaunchRegs * kThreads,
               "setmaxnreg budgets exceed the CTA's register allocation");
 
-// The landing of a head-tile pair's dKV partials: one 64 x 64 float tile
-// over ring stages kLandingStage and kLandingStage + 1 (value tiles that,
-// after the scores, only WG1's dQ reads).
+// The landings of a head-tile pair's dKV halves: warpgroup w's in ring stage
+// kLandingStage + w (value tiles that, after the scores, only WG1's dQ reads).
 constexpr int kLandingStage = 6;
-constexpr int kLandingStages = 2;
-// Arrivals on a CTA's send_free barrier (the partner's warps arrive): after
-// the block's dQ every warp of both of the partner's consumers arrives once,
-// after each merged tile but the block's last the reducing warpgroup's 4
-// warps twice.
+constexpr int kLandingStages = kNumConsumers;
+// A dKV tile's columns that each rank of a pair reduces.
+constexpr int kPairDimsPerRank = kDimTile / 2;
+// Arrivals on a CTA's send_free barriers (the partner's warps arrive): after
+// the block's dQ every warp of both of the partner's consumers arrives once on
+// each, after each merged tile but the block's last the partner's warpgroup's
+// 4 warps twice.
 constexpr uint32_t kSendFreeArrivals = 8;
-// A tile's partial completes recv_full as st.async transactions; the
-// reducer's thread 0 arms it (one arrival) with the bytes expected.
-constexpr uint32_t kLandingBytes = 64 * kDimTile * sizeof(float);
+// A half tile completes recv_full as st.async transactions; the receiving
+// warpgroup's thread 0 arms it (one arrival) with the bytes expected.
+constexpr uint32_t kLandingBytes = 64 * kPairDimsPerRank * sizeof(float);
 constexpr uint32_t kRecvFullArrivals = 1;
 
 // Named barriers between the consumers (ids above CUTLASS's reserved ones).
@@ -170,11 +173,12 @@ struct BwdConfig {
     typename Ring::Barriers ring;
     uint64_t q_ready[kDimTiles];             // TMA of Q's dim tile landed
     uint64_t dout_ready[bwd::kValueTiles];   // TMA of dO's dim tile landed
-    uint64_t send_free;  // paired: the partner's landing may take this CTA's next partial
-    uint64_t recv_full;  // paired: the partner's partial is in this CTA's landing
+    // Paired, per consumer warpgroup w: the partner's landing w may take this
+    // CTA's next half tile; the partner's half tile is in this CTA's landing w.
+    uint64_t send_free[bwd::kNumConsumers];
+    uint64_t recv_full[bwd::kNumConsumers];
   };
-  static_assert(bwd::kLandingBytes == bwd::kLandingStages * Ring::kStageBytes,
-                "the landing holds one 64 x 64 float tile");
+  static_assert(bwd::kLandingBytes == Ring::kStageBytes, "a landing (a ring stage) holds one 64 x 32 float half tile");
   static_assert(bwd::kLandingStage >= bwd::kDqTilesPerConsumer && bwd::kLandingStage + bwd::kLandingStages == bwd::kValueTiles,
                 "the landing is the last value stages, which only WG1's dQ reads after the scores");
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment

@@ -71,7 +71,7 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
     warpgroup_wait<0>();
     release_stages<Cfg>(plan, 0, bwd::kDqTilesPerConsumer, lane);
     if constexpr (Cfg::kRopeTiles > 0) release_stages<Cfg>(plan, bwd::kValueTiles, Cfg::kRopeTiles, lane);
-    landing_free_after_dq(&plan.send_free, role, lane);
+    landing_free_after_dq(plan.send_free, role, lane);
     if (block == 0) wait_tiles_landed(plan.dout_ready, bwd::kValueTiles);  // P^T.dO reads dO, which WG1 waited for
     dkv_tiles<Cfg>(plan, p, rows, true, 0, Cfg::kWg0ValueTiles, block + 1 < num_blocks, bwd::kWg0DkvDone,
                    fixed, role, thread);
@@ -111,7 +111,7 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     release_dq_stages<Cfg>(plan, role, lane);
-    landing_free_after_dq(&plan.send_free, role, lane);
+    landing_free_after_dq(plan.send_free, role, lane);
     if (block == 0) wait_tiles_landed(plan.q_ready, Cfg::kDimTiles);  // dS^T.Q reads Q, which WG0 waited for
     dkv_tiles<Cfg>(plan, p, rows, false, Cfg::kWg0ValueTiles, bwd::kValueTiles - Cfg::kWg0ValueTiles,
                    block + 1 < num_blocks, bwd::kWg1DkvDone, fixed, role, thread);
@@ -139,8 +139,10 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       cutlass::arch::ClusterTransactionBarrier::init(&plan.dout_ready[i], 1);
     // Both consumers release every value stage; the rope stage only WG0 reads and releases.
     Cfg::Ring::init(plan.ring, [](int, int stage) { return stage < bwd::kValueTiles ? bwd::kNumConsumers : 1; });
-    cutlass::arch::ClusterBarrier::init(&plan.send_free, bwd::kSendFreeArrivals);
-    cutlass::arch::ClusterBarrier::init(&plan.recv_full, bwd::kRecvFullArrivals);
+    for (int w = 0; w < bwd::kNumConsumers; ++w) {
+      cutlass::arch::ClusterBarrier::init(&plan.send_free[w], bwd::kSendFreeArrivals);
+      cutlass::arch::ClusterBarrier::init(&plan.recv_full[w], bwd::kRecvFullArrivals);
+    }
     cutlass::arch::fence_barrier_init();
   }
   // A pair's CTAs arrive on each other's barriers: both must have set them up.

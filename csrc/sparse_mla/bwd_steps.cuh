@@ -191,13 +191,14 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
 
-// Adds a dKV tile into the kv gradient: float32 atomics, or (deterministic)
-// 64-bit fixed-point integer atomics, exact in any order.
-template <class Cfg, class Acc>
+// Adds column groups [kFirst, kFirst + kCount) (8 columns each) of a dKV
+// tile into the kv gradient: float32 atomics, or (deterministic) 64-bit
+// fixed-point integer atomics, exact in any order.
+template <class Cfg, int kFirst, int kCount, class Acc>
 __device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, const Acc& acc, const KeyRows& rows,
                                                 int tile, const FixedTerms& fixed, int lane) {
   CUTE_UNROLL
-  for (int j = 0; j < kDimTile / 8; ++j) {
+  for (int j = kFirst; j < kFirst + kCount; ++j) {
     const float x[4] = {acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)};
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
@@ -222,110 +223,121 @@ __device__ __forceinline__ void release_stages(typename Cfg::SharedMemoryPlan& p
   for (int i = 0; i < n; ++i) release_stage<typename Cfg::Ring>(plan.ring, 0, first + i, lane);
 }
 
-// A consumer warpgroup's part in its head-tile pair's dKV merge (bwd_config.h):
-// alone (it reduces its tiles), or in a pair the reducer of its tiles (rank
-// == warpgroup) or their sender. `phase` is the parity of its next wait on the
-// barrier it waits on (recv_full as reducer, send_free as sender).
+// A consumer warpgroup's part in its head-tile pair's dKV merge
+// (bwd_config.h). `send_phase` and `recv_phase` are the parities of its next
+// waits on send_free[warpgroup] and recv_full[warpgroup].
 struct PairRole {
-  bool paired = false, reducer = false;
-  uint32_t partner = 0;  // the other CTA's rank in the cluster
-  uint32_t phase = 0;
+  bool paired = false;
+  int warpgroup = 0;
+  uint32_t rank = 0, partner = 0;  // this CTA's and the other CTA's ranks in the cluster
+  uint32_t send_phase = 0, recv_phase = 0;
 };
 
 __device__ __forceinline__ PairRole pair_role(bool paired, int warpgroup) {
   PairRole r;
   r.paired = paired;
+  r.warpgroup = warpgroup;
   if (paired) {
-    const uint32_t rank = cute::block_rank_in_cluster();
-    r.reducer = rank == uint32_t(warpgroup);
-    r.partner = rank ^ 1u;
+    r.rank = cute::block_rank_in_cluster();
+    r.partner = r.rank ^ 1u;
   }
   return r;
 }
 
 // The value stages kDqTilesPerConsumer.. that a consumer releases once its
-// last reader there is done (WG0 after the scores, WG1 after dQ): a pair's
-// reducer keeps the landing's stages until its merges of the block are done.
+// last reader there is done (WG0 after the scores, WG1 after dQ); in a pair,
+// all but its own landing, which it keeps until its merges of the block are done.
 template <class Cfg>
 __device__ __forceinline__ void release_dq_stages(typename Cfg::SharedMemoryPlan& plan, const PairRole& role,
                                                   int lane) {
-  release_stages<Cfg>(plan, bwd::kDqTilesPerConsumer,
-                      role.reducer ? bwd::kLandingStage - bwd::kDqTilesPerConsumer : bwd::kDqTilesPerConsumer, lane);
+  for (int stage = bwd::kDqTilesPerConsumer; stage < bwd::kValueTiles; ++stage)
+    if (!role.paired || stage != bwd::kLandingStage + role.warpgroup)
+      release_stage<typename Cfg::Ring>(plan.ring, 0, stage, lane);
 }
 
-// The landing's layout: float4 j of thread t (its accumulator elements
-// 4j..4j+3) at float4 j * 128 + t, so that a warp's accesses fill whole
-// bank rows. Both CTAs' threads hold the same elements of a tile.
+// Warpgroup w's landing: float4 i of thread t (the accumulator elements of
+// its i-th column group of the half) at float4 i * 128 + t, so that a warp's
+// accesses fill whole bank rows. Both CTAs' threads hold the same elements of a tile.
 template <class Cfg>
-__device__ __forceinline__ float4* landing_of_thread(typename Cfg::SharedMemoryPlan& plan, int thread) {
-  return reinterpret_cast<float4*>(plan.kv + bwd::kLandingStage * Cfg::Ring::kStageElems) + thread;
+__device__ __forceinline__ float4* landing_of_thread(typename Cfg::SharedMemoryPlan& plan, int warpgroup,
+                                                     int thread) {
+  return reinterpret_cast<float4*>(plan.kv + (bwd::kLandingStage + warpgroup) * Cfg::Ring::kStageElems) + thread;
 }
 
 // After the block's dQ (this warpgroup's WGMMAs read no key stage any more):
-// once both consumers have said so, the partner may send its first partial
-// of the block into this CTA's landing.
-__device__ __forceinline__ void landing_free_after_dq(const uint64_t* send_free, const PairRole& role, int lane) {
+// once both consumers have said so, the partner may send its first half tiles
+// of the block into this CTA's landings.
+__device__ __forceinline__ void landing_free_after_dq(uint64_t* send_free, const PairRole& role, int lane) {
   if (!role.paired) return;
   __syncwarp();
-  if (lane == 0) arrive_cluster_relaxed(cluster_address(send_free, role.partner), 1);
+  if (lane == 0)
+    for (int w = 0; w < bwd::kNumConsumers; ++w)
+      arrive_cluster_relaxed(cluster_address(&send_free[w], role.partner), 1);
 }
 
-// A pair's sender: its waited dKV tile into the reducer's landing, once the
-// reducer has freed it. The stores complete on the reducer's recv_full; the
-// sender waits for none of them, nor for its earlier reductions.
-template <class Cfg, class Acc>
-__device__ __forceinline__ void send_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const Acc& acc, PairRole& role,
-                                              int thread) {
-  wait_cluster_relaxed(&plan.send_free, role.phase);
-  role.phase ^= 1u;
-  const uint32_t dst = cluster_address(landing_of_thread<Cfg>(plan, thread), role.partner);
-  const uint32_t full = cluster_address(&plan.recv_full, role.partner);
+// A pair's merge of a waited dKV tile, rank kRank's side: the partner's column
+// half of this warpgroup's partial goes into the partner's landing (st.async,
+// once the partner has freed it); the partner's partial of this rank's half
+// is awaited, added, and the landing freed before the reductions, whose issue
+// can stall on L2 (for the partner's next half, or, after the block's last
+// tile, for the gather of the next block).
+template <class Cfg, int kRank, class Acc>
+__device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
+                                               Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
+                                               PairRole& role, bool last_of_block, int thread) {
+  constexpr int kGroups = bwd::kPairDimsPerRank / 8;
+  constexpr int kKeep = kRank * kGroups, kSend = (1 - kRank) * kGroups;
+  const int lane = thread % 32;
+  const int w = role.warpgroup;
+  wait_cluster_relaxed(&plan.send_free[w], role.send_phase);
+  role.send_phase ^= 1u;
+  const uint32_t dst = cluster_address(landing_of_thread<Cfg>(plan, w, thread), role.partner);
+  const uint32_t full = cluster_address(&plan.recv_full[w], role.partner);
   CUTE_UNROLL
-  for (int j = 0; j < kDimTile / 8; ++j)
-    store_async_cluster_f32x4(dst + uint32_t(j * kWarpgroupThreads) * 16u, acc(4 * j), acc(4 * j + 1),
+  for (int i = 0; i < kGroups; ++i) {
+    const int j = kSend + i;
+    store_async_cluster_f32x4(dst + uint32_t(i * kWarpgroupThreads) * 16u, acc(4 * j), acc(4 * j + 1),
                               acc(4 * j + 2), acc(4 * j + 3), full);
+  }
+  if (thread == 0)
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full[w], bwd::kLandingBytes);
+  wait_cluster(&plan.recv_full[w], role.recv_phase);
+  role.recv_phase ^= 1u;
+  const float4* landed = landing_of_thread<Cfg>(plan, w, thread);
+  CUTE_UNROLL
+  for (int i = 0; i < kGroups; ++i) {
+    const int j = kKeep + i;
+    const float4 v = landed[i * kWarpgroupThreads];
+    acc(4 * j) += v.x, acc(4 * j + 1) += v.y, acc(4 * j + 2) += v.z, acc(4 * j + 3) += v.w;
+  }
+  // The sums exist before the landing is freed: its reads have completed
+  // (the relaxed arrival below orders nothing by itself).
+  warpgroup_fence_operand(acc);
+  __syncwarp();
+  if (!last_of_block) {
+    if (lane == 0) arrive_cluster_relaxed(cluster_address(&plan.send_free[w], role.partner), 2);
+  } else {
+    release_stage<typename Cfg::Ring>(plan.ring, 0, bwd::kLandingStage + w, lane);
+  }
+  reduce_dkv_tile<Cfg, kKeep, kGroups>(p, acc, rows, tile, fixed, lane);
 }
 
-// A waited dKV tile: reduced into the kv gradient alone; in a pair, sent by
-// the sender, or reduced by the reducer with the sender's partial added.
-// The reducer frees the landing as soon as it has read it, before its
-// reductions (whose issue can stall on L2): for the partner's next partial,
-// or, after the block's last tile, for the gather of the next block.
+// A waited dKV tile: reduced into the kv gradient alone, or merged with the
+// pair's other partial, each rank reducing half of its columns.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                                 Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
                                                 PairRole& role, bool last_of_block, int thread) {
-  const int lane = thread % 32;
-  if (role.paired) {
-    if (!role.reducer) return send_dkv_tile<Cfg>(plan, acc, role, thread);
-    if (thread == 0)
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full, bwd::kLandingBytes);
-    wait_cluster(&plan.recv_full, role.phase);
-    role.phase ^= 1u;
-    const float4* partner = landing_of_thread<Cfg>(plan, thread);
-    CUTE_UNROLL
-    for (int j = 0; j < kDimTile / 8; ++j) {
-      const float4 v = partner[j * kWarpgroupThreads];
-      acc(4 * j) += v.x, acc(4 * j + 1) += v.y, acc(4 * j + 2) += v.z, acc(4 * j + 3) += v.w;
-    }
-    // The sums exist before the landing is freed: its reads have completed
-    // (the relaxed arrival below orders nothing by itself).
-    warpgroup_fence_operand(acc);
-    __syncwarp();
-    if (!last_of_block) {
-      if (lane == 0) arrive_cluster_relaxed(cluster_address(&plan.send_free, role.partner), 2);
-    } else {
-      release_stages<Cfg>(plan, bwd::kLandingStage, bwd::kLandingStages, lane);
-    }
-  }
-  reduce_dkv_tile<Cfg>(p, acc, rows, tile, fixed, lane);
+  if (!role.paired) return reduce_dkv_tile<Cfg, 0, kDimTile / 8>(p, acc, rows, tile, fixed, thread % 32);
+  if (role.rank == 0) merge_dkv_tile<Cfg, 0>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread);
+  else merge_dkv_tile<Cfg, 1>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread);
 }
 
 // This warpgroup's dKV tiles of the block: the rope tile (with_rope), then
 // value tiles [first_value, first_value + num_values), each computed, waited
-// for and added into the kv gradient (in a pair: by the reducer, with the
-// sender's partial). `done_barrier` is arrived at once the last WGMMA that
-// reads P and dS has completed (if another block follows).
+// for and added into the kv gradient (in a pair: merged, half by each rank).
+// `done_barrier` is arrived at once the last WGMMA that reads P and dS has
+// completed (if another block follows).
 template <class Cfg>
 __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                           const KeyRows& rows, bool with_rope, int first_value, int num_values,
