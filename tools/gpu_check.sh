@@ -54,7 +54,8 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
             -p no:cacheprovider ;;
     test-all) run test-all env JAX_PLATFORMS=cpu JAX_ATTN_DIST_REQUIRE_GPU=0 python3 -m pytest -q -rs tests \
                 -p no:cacheprovider ;;
-    multi-gpu) run multi-gpu env JAX_ATTN_DIST_REQUIRE_GPU=2 python3 -m pytest -q -rs tests/attn_dist/test_gpu_sharding.py \
+    multi-gpu) run multi-gpu env JAX_ATTN_DIST_REQUIRE_GPU=2 python3 -m pytest -q -rs tests/sparse_mla/test_gpu_sharding.py \
+                 tests/dsa/test_gpu_sharding.py tests/attn_dist/test_gpu_sharding.py \
                  tests/indexer/test_gpu_sharding.py tests/packing/test_gpu_sharding.py tests/attn_dist/test_sharding.py \
                  tests/attn_dist/test_shard_map.py tests/attn_dist/test_sharding_cuda_lowering.py \
                  tests/indexer/test_sharding.py tests/package/test_partitioning.py -p no:cacheprovider
