@@ -84,6 +84,17 @@ def git_commit() -> str:
         return "unknown"
 
 
+def kernel_build_id() -> str:
+    """The loaded extension's build identity, a hash of the kernel sources
+    (``jax_attn_dist._core.ext.build_id_of``): it names the kernels that ran
+    even where the copy of the tree on the GPU machine has no (or stale) git
+    metadata."""
+    from jax_attn_dist._core import ext
+
+    module = ext.extension_module()
+    return module.build_id() if module is not None else "unknown"
+
+
 def table(result) -> str:
     """The results as text; a column that does not apply to a row is blank."""
     columns = [  # header, width, value of a row (None: not measured for this row), format
@@ -178,7 +189,7 @@ def main(argv=None) -> int:
     gemm = gemm_ceiling(args.calls, args.samples)
     result = {
         "device": dev.device_kind, "jax": jax.__version__, "python": platform.python_version(),
-        "commit": git_commit(), "gemm_8192_tflops": gemm,
+        "commit": git_commit(), "kernel_build_id": kernel_build_id(), "gemm_8192_tflops": gemm,
         "timing": f"median of {args.samples} samples x {args.calls} back-to-back calls, 2 input sets",
         "rows": [],
     }
