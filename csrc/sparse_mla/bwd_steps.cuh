@@ -310,8 +310,11 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
     const float4 v = landed[i * kWarpgroupThreads];
     acc(4 * j) += v.x, acc(4 * j + 1) += v.y, acc(4 * j + 2) += v.z, acc(4 * j + 3) += v.w;
   }
-  // The sums exist before the landing is freed: its reads have completed
-  // (the relaxed arrival below orders nothing by itself).
+  // The sums exist before the landing is freed. The relaxed arrival below
+  // does not order the landing's loads in the memory model; the fence keeps
+  // the adds that consume them ahead of it in the code, and in the compiled
+  // kernel every add (so every load) comes before the arrival (nvdisasm).
+  // A release arrival would also wait for the warp's earlier reductions.
   warpgroup_fence_operand(acc);
   __syncwarp();
   if (!last_of_block) {
