@@ -25,7 +25,7 @@ from jax_attn_dist.ops.attn_dist import contract as attn_contract
 from jax_attn_dist.ops.indexer import contract as indexer_contract
 from jax_attn_dist.ops.indexer_topk import contract as topk_contract
 from jax_attn_dist.ops.sparse_mla import contract as mla_contract
-from sharding_util import collectives, gpu_mesh
+from sharding_util import collectives, gpu_mesh, same_bits
 
 pytestmark = pytest.mark.gpu(2)
 
@@ -38,11 +38,6 @@ SHARED = ("kv", "index_k")  # [B, N, ...]: replicated per batch row
 def _needs_these_kernels():
     require_ffi_targets(topk_contract.FFI_TARGET, mla_contract.FFI_TARGET, mla_contract.BWD_FFI_TARGET,
                         attn_contract.FFI_TARGET, indexer_contract.FWD_FFI_TARGET, indexer_contract.BWD_FFI_TARGET)
-
-
-def same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def setup(tag, **extra):

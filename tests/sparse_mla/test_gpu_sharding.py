@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from inputs import require_ffi_targets, seed_of
 from jax_attn_dist import oracle, sparse_mla
 from jax_attn_dist.ops.sparse_mla.contract import BWD_FFI_TARGET, FFI_TARGET
-from sharding_util import collectives, gpu_mesh
+from sharding_util import collectives, gpu_mesh, same_bits
 from sparse_mla_cases import cotangents, make_sparse_mla_inputs
 
 pytestmark = pytest.mark.gpu(2)
@@ -33,11 +33,6 @@ S, N, H, T, D = 256, 2048, 128, 512, 576
 @pytest.fixture(autouse=True)
 def _needs_these_kernels():
     require_ffi_targets(FFI_TARGET, BWD_FFI_TARGET)
-
-
-def same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def problem(tag):

@@ -25,6 +25,12 @@ def bits(x):
     return np.asarray(x).view(np.uint32)
 
 
+def same_bits(a, b) -> bool:
+    """Whether two arrays of any dtype hold the same shape, dtype and bits."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
 def gpu_mesh(n: int = 2, name: str = "x"):
     """A 1-D mesh of the first ``n`` CUDA GPUs."""
     return jax.sharding.Mesh(np.array(jax.devices("cuda")[:n]), (name,))
