@@ -2,7 +2,8 @@
 // terms (and, deterministic, max |kv| and the bound first), the main kernel
 // of the compiled D variant (the table: sparse_mla/variants.h, each variant
 // instantiated in its own generated file), then (deterministic) the
-// conversion of the fixed-point sums.
+// conversion of the fixed-point sums, or the float32 sums' columns put back
+// in order.
 #include <cuda_runtime_api.h>
 
 #include "bwd_rows.h"
@@ -74,8 +75,8 @@ LaunchStatus run_sparse_mla_bwd(const SparseMlaBwdParams& p, cudaStream_t stream
   }
   if ((s = launch_row_terms(p, stream, detail)) != LaunchStatus::kOk) return s;
   if ((s = run_main(p, stream, detail)) != LaunchStatus::kOk) return s;
-  if (deterministic && dkv_elems > 0) return launch_dkv_fixed_to_float(p, stream, detail);
-  return LaunchStatus::kOk;
+  if (dkv_elems == 0) return LaunchStatus::kOk;
+  return deterministic ? launch_dkv_fixed_to_float(p, stream, detail) : launch_dkv_columns_in_order(p, stream, detail);
 }
 
 }  // namespace attn_dist

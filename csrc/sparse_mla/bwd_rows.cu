@@ -140,6 +140,21 @@ __global__ void __launch_bounds__(kStreamThreads) fixed_to_float_kernel(const __
   }
 }
 
+// The float32 dkv from the main kernel's accumulator order back to column
+// order, in place, one group of 16 columns per thread: column c of a group
+// was stored at 4 ((c % 8) / 2) + 2 (c / 8) + c % 2 (bwd_steps.cuh).
+__global__ void __launch_bounds__(kStreamThreads) columns_in_order_kernel(float* dkv, int64_t groups) {
+  for (int64_t g = blockIdx.x * int64_t(kStreamThreads) + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * kStreamThreads) {
+    float4* at = reinterpret_cast<float4*>(dkv + g * 16);
+    const float4 q0 = at[0], q1 = at[1], q2 = at[2], q3 = at[3];  // lanes 0..3 of the quad: 2r, 2r+1, 8+2r, 9+2r
+    at[0] = make_float4(q0.x, q0.y, q1.x, q1.y);
+    at[1] = make_float4(q2.x, q2.y, q3.x, q3.y);
+    at[2] = make_float4(q0.z, q0.w, q1.z, q1.w);
+    at[3] = make_float4(q2.z, q2.w, q3.z, q3.w);
+  }
+}
+
 constexpr int kMaxGridY = 65535;
 
 // A grid over (work per batch element) x B, a few waves in all.
@@ -162,6 +177,12 @@ LaunchStatus launch_row_terms(const SparseMlaBwdParams& p, cudaStream_t stream, 
 LaunchStatus launch_kv_max(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
   return launch_kernel(&kv_max_kernel, stream_grid(int64_t(p.s_kv) * p.d_qk / 8, p.batch), kStreamThreads, 0,
                        stream, detail, p);
+}
+
+LaunchStatus launch_dkv_columns_in_order(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
+  const int64_t groups = int64_t(p.batch) * p.s_kv * p.d_qk / 16;
+  return launch_kernel(&columns_in_order_kernel, stream_grid(groups, 1), kStreamThreads, 0, stream, detail, p.dkv,
+                       groups);
 }
 
 LaunchStatus launch_dkv_fixed_to_float(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {

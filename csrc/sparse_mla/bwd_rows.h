@@ -18,6 +18,10 @@ LaunchStatus launch_row_terms(const SparseMlaBwdParams& p, cudaStream_t stream, 
 // max |kv| of each batch element, as float bits into kv_max_bits (zeroed first).
 LaunchStatus launch_kv_max(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);
 
+// The float32 dkv, which the main kernel adds into in its accumulator's
+// column order (bwd_steps.cuh), back to column order in place.
+LaunchStatus launch_dkv_columns_in_order(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);
+
 // dkv = dkv_fixed * 2^-F per batch element (NaN over an element whose bound or
 // a term was not finite).
 LaunchStatus launch_dkv_fixed_to_float(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);

@@ -187,31 +187,56 @@ struct FixedTerms {
   unsigned* flag = nullptr;
 };
 
-__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+__device__ __forceinline__ void red_add_f32x4(float* dst, const float4& v) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
+// The float32 kv gradient keeps each group of 16 columns in the dKV
+// accumulator's order while it is reduced into (undone by
+// launch_dkv_columns_in_order): a quad's lane r holds columns 2r, 2r + 1,
+// 8 + 2r and 9 + 2r of a row in a group, stored at 4r .. 4r + 3, so its four
+// values are one 16-byte vector and a quad's four vectors 64 contiguous bytes
+// of the row. In column order a quad's pairs covered 32 bytes, and the L2 saw
+// one request per 32-byte sector (ncu). (Swapping vectors between quads to
+// fill 128-byte lines measured slower: the shuffles cost more than they saved.)
+__device__ __forceinline__ int accumulator_order_column(int group, int lane) { return 16 * group + 4 * (lane % 4); }
+
+template <class Acc>
+__device__ __forceinline__ float4 group_vector(const Acc& acc, int group, int rh) {
+  const int i = 8 * group + 2 * rh;  // accumulator column groups 2 group (i) and 2 group + 1 (i + 4)
+  return make_float4(acc(i), acc(i + 1), acc(i + 4), acc(i + 5));
 }
 
 // Adds column groups [kFirst, kFirst + kCount) (8 columns each) of a dKV
-// tile into the kv gradient: float32 atomics, or (deterministic) 64-bit
-// fixed-point integer atomics, exact in any order.
+// tile into the kv gradient: float32 atomics (above), or (deterministic)
+// 64-bit fixed-point integer atomics, exact in any order, in column order.
 template <class Cfg, int kFirst, int kCount, class Acc>
 __device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, const Acc& acc, const KeyRows& rows,
                                                 int tile, const FixedTerms& fixed, int lane) {
-  CUTE_UNROLL
-  for (int j = kFirst; j < kFirst + kCount; ++j) {
-    const float x[4] = {acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)};
+  if constexpr (!Cfg::kDeterministic) {
+    static_assert(kFirst % 2 == 0 && kCount % 2 == 0, "whole 16-column groups");
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       if (rows.offset[rh] < 0) continue;
-      const int64_t at = rows.offset[rh] + tile * kDimTile + 8 * j + 2 * (lane % 4);
-      const float x0 = x[2 * rh], x1 = x[2 * rh + 1];
-      if constexpr (Cfg::kDeterministic) {
+      float* dst = p.dkv + rows.offset[rh] + tile * kDimTile;
+      CUTE_UNROLL
+      for (int g = kFirst / 2; g < (kFirst + kCount) / 2; ++g)
+        red_add_f32x4(dst + accumulator_order_column(g, lane), group_vector(acc, g, rh));
+    }
+  } else {
+    CUTE_UNROLL
+    for (int j = kFirst; j < kFirst + kCount; ++j) {
+      const float x[4] = {acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)};
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh) {
+        if (rows.offset[rh] < 0) continue;
+        const int64_t at = rows.offset[rh] + tile * kDimTile + 8 * j + 2 * (lane % 4);
+        const float x0 = x[2 * rh], x1 = x[2 * rh + 1];
         if (!(fabsf(x0) <= fixed.term_limit && fabsf(x1) <= fixed.term_limit)) flag_non_finite(fixed.flag);
         auto* dst = reinterpret_cast<unsigned long long*>(p.dkv_fixed + at);
         atomicAdd(dst, static_cast<unsigned long long>(to_fixed(x0, fixed.two_to_f)));
         atomicAdd(dst + 1, static_cast<unsigned long long>(to_fixed(x1, fixed.two_to_f)));
-      } else {
-        red_add_f32x2(p.dkv + at, x0, x1);
       }
     }
   }
