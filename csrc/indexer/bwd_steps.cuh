@@ -8,6 +8,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "../common/bulk_reduce.cuh"
 #include "bwd_config.h"
 #include "fixed_point.cuh"
 #include "steps.cuh"
@@ -69,30 +70,6 @@ __device__ __forceinline__ void stage_dk_fixed_chunk(typename Cfg::SharedMemoryP
           make_longlong2(to_fixed(acc(4 * j + 2 * rh), two_to_f), to_fixed(acc(4 * j + 2 * rh + 1), two_to_f));
     }
 }
-
-// One staged row added to d_index_k[key, :]: a bulk reduction, done by the
-// copy engine and L2 (full 128-byte lines), tracked by the issuing thread's
-// bulk group.
-__device__ __forceinline__ void reduce_row_async(float* dst, const float* src, int bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
-               "r"(uint32_t(__cvta_generic_to_shared(src))), "r"(bytes)
-               : "memory");
-}
-// The same for fixed-point integers (two's complement: u64 addition is s64's).
-__device__ __forceinline__ void reduce_row_async(long long* dst, const long long* src, int bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;" ::"l"(dst),
-               "r"(uint32_t(__cvta_generic_to_shared(src))), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void commit_reductions() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// The thread's reductions, all but the newest kPending groups, have read
-// their shared source (it may be rewritten).
-template <int kPending = 0>
-__device__ __forceinline__ void wait_reductions_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
-}
-// The thread's reductions are complete.
-__device__ __forceinline__ void wait_reductions() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 }  // namespace indexer
 }  // namespace attn_dist

@@ -28,9 +28,13 @@
 // stage 6 + w, which no WGMMA reads between the block's dQ and the next
 // gather) by st.async, which completes on the partner's recv_full[w]; it adds
 // the partner's half of its own columns and reduces them. Both ranks' warps
-// do the same work, and every warp issues half of a tile's reductions. A
-// landing is freed as soon as it is read, before the reductions: for the
-// partner's next half, or after the block's last tile for the gather.
+// do the same work. Float32: the landing is freed as soon as it is read,
+// before the vector atomics from registers. Deterministic: the merged half's
+// fixed-point terms go back into the landing, a 128-byte row of 16 columns
+// per key in each of two passes, and each row is added into the sums by the
+// copy engine (cp.reduce.async.bulk: whole L2 lines); the landing is freed
+// once those reads are done. Either way it goes to the partner's next half,
+// or after the block's last tile to the gather.
 #pragma once
 
 #include <cstdint>
@@ -88,7 +92,10 @@ enum Barrier : uint32_t {
   kWg0DkvDone = 2,   // WG0's WGMMAs of the block no longer read P or dS
   kWg1DkvDone = 3,   // WG1's likewise
   kDsStored = 4,     // WG1 (alone): all its threads wrote dS
+  kLandingSync = 5,  // + w, warpgroup w alone: its landing read (then written back) by all its threads
 };
+// CUTLASS's NamedBarrier adds its 8 reserved ids; the hardware has 16.
+static_assert(kLandingSync + kNumConsumers - 1 + 8 < 16, "named barrier ids past the hardware's 16");
 constexpr uint32_t kPairThreads = kNumConsumers * kWarpgroupThreads;
 
 }  // namespace bwd

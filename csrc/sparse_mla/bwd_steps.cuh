@@ -11,6 +11,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "../common/bulk_reduce.cuh"
 #include "../common/cluster.cuh"
 #include "../common/cta.cuh"
 #include "../common/fixed_point.cuh"
@@ -300,12 +301,63 @@ __device__ __forceinline__ void landing_free_after_dq(uint64_t* send_free, const
       arrive_cluster_relaxed(cluster_address(&send_free[w], role.partner), 1);
 }
 
+// Deterministic: a pair's merged half tile staged in its landing as rows of
+// 128 bytes, row acc_row of this thread: pass q's 16 columns (group
+// kFirstGroup + q) as 64-bit fixed-point terms in column order.
+constexpr int kStagedRowBytes = 128;
+static_assert(kStagedRowBytes * kBlockTopk == int(bwd::kLandingBytes) &&
+                  kStagedRowBytes == bwd::kPairDimsPerRank / 2 * int(sizeof(long long)),
+              "a landing holds one row per key: 16 fixed-point columns a pass");
+
+template <int kFirstGroup, class Acc>
+__device__ __forceinline__ void stage_fixed_rows(char* rows_out, const Acc& acc, int pass, const FixedTerms& fixed,
+                                                 int thread) {
+  const int lane = thread % 32;
+  const int g = kFirstGroup + pass;
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    char* row = rows_out + acc_row(thread, rh) * kStagedRowBytes;
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {  // columns 2r, 2r + 1, then 8 + 2r, 9 + 2r of the group
+      const float x0 = acc(8 * g + 4 * half + 2 * rh), x1 = acc(8 * g + 4 * half + 2 * rh + 1);
+      if (!(fabsf(x0) <= fixed.term_limit && fabsf(x1) <= fixed.term_limit)) flag_non_finite(fixed.flag);
+      *reinterpret_cast<longlong2*>(row + (8 * half + 2 * (lane % 4)) * sizeof(long long)) =
+          make_longlong2(to_fixed(x0, fixed.two_to_f), to_fixed(x1, fixed.two_to_f));
+    }
+  }
+}
+
+// One staged row (this thread's row rh, a valid key at `offset`) added into
+// the fixed-point sums by the copy engine.
+template <int kRank>
+__device__ __forceinline__ void bulk_reduce_fixed_row(const SparseMlaBwdParams& p, const char* rows_out,
+                                                      int64_t offset, int tile, int pass, int thread, int rh) {
+  const int64_t at = offset + tile * kDimTile + kRank * bwd::kPairDimsPerRank + pass * 16;
+  reduce_row_async(p.dkv_fixed + at, reinterpret_cast<const long long*>(rows_out + acc_row(thread, rh) * kStagedRowBytes),
+                   kStagedRowBytes);
+}
+
+// A landing given back: to the partner for its next half, or after the
+// block's last tile to the gather.
+template <class Cfg>
+__device__ __forceinline__ void free_landing(typename Cfg::SharedMemoryPlan& plan, const PairRole& role,
+                                             bool last_of_block, int lane) {
+  const int w = role.warpgroup;
+  if (!last_of_block) {
+    if (lane == 0) arrive_cluster_relaxed(cluster_address(&plan.send_free[w], role.partner), 2);
+  } else {
+    release_stage<typename Cfg::Ring>(plan.ring, 0, bwd::kLandingStage + w, lane);
+  }
+}
+
 // A pair's merge of a waited dKV tile, rank kRank's side: the partner's column
 // half of this warpgroup's partial goes into the partner's landing (st.async,
 // once the partner has freed it); the partner's partial of this rank's half
-// is awaited, added, and the landing freed before the reductions, whose issue
-// can stall on L2 (for the partner's next half, or, after the block's last
-// tile, for the gather of the next block).
+// is awaited and added. Float32: the landing freed first, then the vector
+// atomics, whose issue can stall on L2; deterministic: the fixed-point sums
+// written back into the landing and bulk-reduced from there, the landing
+// freed once they are read. (Freed for the partner's next half, or, after
+// the block's last tile, for the gather of the next block.)
 template <class Cfg, int kRank, class Acc>
 __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                                Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
@@ -335,19 +387,46 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
     const float4 v = landed[i * kWarpgroupThreads];
     acc(4 * j) += v.x, acc(4 * j + 1) += v.y, acc(4 * j + 2) += v.z, acc(4 * j + 3) += v.w;
   }
-  // The sums exist before the landing is freed. The relaxed arrival below
-  // does not order the landing's loads in the memory model; the fence keeps
-  // the adds that consume them ahead of it in the code, and in the compiled
-  // kernel every add (so every load) comes before the arrival (nvdisasm).
-  // A release arrival would also wait for the warp's earlier reductions.
   warpgroup_fence_operand(acc);
-  __syncwarp();
-  if (!last_of_block) {
-    if (lane == 0) arrive_cluster_relaxed(cluster_address(&plan.send_free[w], role.partner), 2);
+  if constexpr (!Cfg::kDeterministic) {
+    // The sums exist before the landing is freed. The relaxed arrival below
+    // does not order the landing's loads in the memory model; the fence keeps
+    // the adds that consume them ahead of it in the code, and in the compiled
+    // kernel every add (so every load) comes before the arrival (nvdisasm).
+    // A release arrival would also wait for the warp's earlier reductions.
+    __syncwarp();
+    free_landing<Cfg>(plan, role, last_of_block, lane);
+    reduce_dkv_tile<Cfg, kKeep, kGroups>(p, acc, rows, tile, fixed, lane);
   } else {
-    release_stage<typename Cfg::Ring>(plan.ring, 0, bwd::kLandingStage + w, lane);
+    // The fixed-point terms go back into the landing, a 128-byte row of 16
+    // columns per key, in two passes, and the copy engine adds each row into
+    // the sums as one whole L2 line (64-bit atomics from registers made a
+    // request per row and instruction pair). The second pass is staged once
+    // the first's rows have been read; the landing is freed after the last.
+    char* rows_out = reinterpret_cast<char*>(plan.kv + (bwd::kLandingStage + w) * Cfg::Ring::kStageElems);
+    const bool issuer = lane % 4 == 0;  // each quad's first lane: its two rows (all 64 over the warpgroup)
+    CUTE_UNROLL
+    for (int pass = 0; pass < 2; ++pass) {
+      if (pass > 0 && issuer) wait_reductions_read();
+      // The landed half (then the previous pass's rows) read by every thread and the copy engine.
+      NamedBarrier::sync(kWarpgroupThreads, bwd::kLandingSync + w);
+      stage_fixed_rows<kKeep / 2>(rows_out, acc, pass, fixed, thread);
+      cutlass::arch::fence_view_async_shared();
+      NamedBarrier::sync(kWarpgroupThreads, bwd::kLandingSync + w);  // every row written
+      if (issuer) {
+        CUTE_UNROLL
+        for (int rh = 0; rh < 2; ++rh)
+          if (rows.offset[rh] >= 0) bulk_reduce_fixed_row<kRank>(p, rows_out, rows.offset[rh], tile, pass, thread, rh);
+        commit_reductions();
+      }
+    }
+    if (issuer) wait_reductions_read();  // the rows have left the landing
+    // The relaxed free follows the write-back too: the barrier above (and
+    // the fence before it) order it before the bulk reads, and each issuing
+    // lane's read wait comes before its warp's arrival.
+    __syncwarp();
+    free_landing<Cfg>(plan, role, last_of_block, lane);
   }
-  reduce_dkv_tile<Cfg, kKeep, kGroups>(p, acc, rows, tile, fixed, lane);
 }
 
 // A waited dKV tile: reduced into the kv gradient alone, or merged with the
