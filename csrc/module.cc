@@ -6,6 +6,7 @@
 
 #include "attn_dist/ffi.h"
 #include "attn_dist/variants.h"
+#include "fixed_point/ffi.h"
 #include "indexer/ffi.h"
 #include "indexer/variants.h"
 #include "indexer_topk/ffi.h"
@@ -53,6 +54,9 @@ NB_MODULE(_cuda, m) {
     d[kIndexerTopkTarget] = Capsule(kIndexerTopk);
     d[kSparseMlaFwdTarget] = Capsule(kSparseMlaFwd);
     d[kSparseMlaBwdTarget] = Capsule(kSparseMlaBwd);
+    d[kSparseMlaBwdBoundTarget] = Capsule(kSparseMlaBwdBound);
+    d[kSparseMlaBwdFixedTarget] = Capsule(kSparseMlaBwdFixed);
+    d[kLimbsToFloatTarget] = Capsule(kLimbsToFloat);
 #if JAX_ATTN_DIST_TEST_TARGETS
     d[kAttnDistFwdIntoTarget] = Capsule(kAttnDistFwdInto);
     d[kIndexerFwdIntoTarget] = Capsule(kIndexerFwdInto);

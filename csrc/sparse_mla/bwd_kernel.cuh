@@ -164,11 +164,11 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   } else {
     cutlass::arch::warpgroup_reg_alloc<bwd::kConsumerRegs>();
     FixedTerms fixed;
-    if constexpr (Cfg::kDeterministic) {  // this batch element's scale: its S rows, its bound
+    if constexpr (Cfg::kDeterministic) {  // this batch element's scale: its rows (every shard's), its bound
       const unsigned bits = params.bound_bits[cta.batch];
-      fixed.two_to_f = fixed_point_scale(bits, params.s_q).to_fixed;
+      fixed.two_to_f = fixed_point_scale(bits, params.scale_rows).to_fixed;
       fixed.term_limit = __uint_as_float(bits);
-      fixed.flag = params.bound_bits + cta.batch;
+      fixed.flag = params.flag_bits + cta.batch;
     }
     PairRole role = pair_role(paired, warpgroup);
     if (warpgroup == 0) consume_scores<Cfg>(plan, params, cta, fixed, role, thread_in_wg);

@@ -6,6 +6,7 @@
 // in order.
 #include <cuda_runtime_api.h>
 
+#include "../fixed_point/limbs.h"
 #include "bwd_rows.h"
 #include "params.h"
 #include "variants.h"
@@ -42,8 +43,10 @@ LaunchStatus memset_status(cudaError_t err, const char** detail) {
 }  // namespace
 }  // namespace sparse_mla
 
-LaunchStatus run_sparse_mla_bwd(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
-  using namespace sparse_mla;
+namespace sparse_mla {
+namespace {
+
+LaunchStatus check_problem(const SparseMlaBwdParams& p, const char** detail) {
   if (p.batch < 1 || p.s_q < 1 || p.h_q < 1 || p.topk < 0 || p.s_kv < 0) {
     *detail = "empty or invalid problem (B, S and H must be >= 1): nothing to launch";
     return LaunchStatus::kInvalidProblem;
@@ -52,31 +55,79 @@ LaunchStatus run_sparse_mla_bwd(const SparseMlaBwdParams& p, cudaStream_t stream
     *detail = "the kernel computes d_v = 512 value dims";
     return LaunchStatus::kInvalidProblem;
   }
-  const bool deterministic = p.dkv_fixed != nullptr;
-  if (deterministic && (p.bound_bits == nullptr || p.kv_max_bits == nullptr)) {
-    *detail = "the deterministic backward needs its bound words";
+  if (p.dkv_fixed != nullptr &&
+      (p.bound_bits == nullptr || p.kv_max_bits == nullptr || p.flag_bits == nullptr || p.scale_rows < p.s_q)) {
+    *detail = "the deterministic backward needs its bound and flag words, and at least its own rows to scale for";
     return LaunchStatus::kInvalidProblem;
   }
-  const size_t dkv_elems = size_t(p.batch) * size_t(p.s_kv) * size_t(p.d_qk);
+  return LaunchStatus::kOk;
+}
+
+LaunchStatus zero(void* ptr, size_t bytes, cudaStream_t stream, const char** detail) {
+  return bytes == 0 ? LaunchStatus::kOk : memset_status(cudaMemsetAsync(ptr, 0, bytes, stream), detail);
+}
+
+size_t dkv_elements(const SparseMlaBwdParams& p) { return size_t(p.batch) * size_t(p.s_kv) * size_t(p.d_qk); }
+
+// max |kv| and the rows' bounds into the zeroed scale words, and the row terms.
+LaunchStatus run_scale_words(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
   LaunchStatus s;
+  if ((s = zero(p.kv_max_bits, size_t(p.batch) * sizeof(unsigned), stream, detail)) != LaunchStatus::kOk ||
+      (s = zero(p.bound_bits, size_t(p.batch) * sizeof(unsigned), stream, detail)) != LaunchStatus::kOk)
+    return s;
+  if (dkv_elements(p) > 0 && (s = launch_kv_max(p, stream, detail)) != LaunchStatus::kOk) return s;
+  return launch_row_terms(p, true, stream, detail);
+}
+
+}  // namespace
+}  // namespace sparse_mla
+
+LaunchStatus run_sparse_mla_bwd(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
+  using namespace sparse_mla;
+  LaunchStatus s;
+  if ((s = check_problem(p, detail)) != LaunchStatus::kOk) return s;
+  const bool deterministic = p.dkv_fixed != nullptr;
+  if (deterministic && p.flag_bits != p.bound_bits) {
+    *detail = "one call flags its terms in its bound words";
+    return LaunchStatus::kInvalidProblem;
+  }
+  const size_t dkv_elems = dkv_elements(p);
   if (deterministic) {
-    if ((s = memset_status(cudaMemsetAsync(p.dkv_fixed, 0, dkv_elems * sizeof(long long), stream), detail)) !=
-            LaunchStatus::kOk ||
-        (s = memset_status(cudaMemsetAsync(p.kv_max_bits, 0, size_t(p.batch) * sizeof(unsigned), stream), detail)) !=
-            LaunchStatus::kOk ||
-        (s = memset_status(cudaMemsetAsync(p.bound_bits, 0, size_t(p.batch) * sizeof(unsigned), stream), detail)) !=
-            LaunchStatus::kOk)
+    if ((s = zero(p.dkv_fixed, dkv_elems * sizeof(long long), stream, detail)) != LaunchStatus::kOk ||
+        (s = run_scale_words(p, stream, detail)) != LaunchStatus::kOk)
       return s;
-    if (dkv_elems > 0 && (s = launch_kv_max(p, stream, detail)) != LaunchStatus::kOk) return s;
-  } else if (dkv_elems > 0 &&
-             (s = memset_status(cudaMemsetAsync(p.dkv, 0, dkv_elems * sizeof(float), stream), detail)) !=
-                 LaunchStatus::kOk) {
+  } else if ((s = zero(p.dkv, dkv_elems * sizeof(float), stream, detail)) != LaunchStatus::kOk ||
+             (s = launch_row_terms(p, false, stream, detail)) != LaunchStatus::kOk) {
     return s;
   }
-  if ((s = launch_row_terms(p, stream, detail)) != LaunchStatus::kOk) return s;
   if ((s = run_main(p, stream, detail)) != LaunchStatus::kOk) return s;
   if (dkv_elems == 0) return LaunchStatus::kOk;
   return deterministic ? launch_dkv_fixed_to_float(p, stream, detail) : launch_dkv_columns_in_order(p, stream, detail);
+}
+
+LaunchStatus run_sparse_mla_bwd_bound(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
+  using namespace sparse_mla;
+  LaunchStatus s;
+  if ((s = check_problem(p, detail)) != LaunchStatus::kOk) return s;
+  return run_scale_words(p, stream, detail);
+}
+
+LaunchStatus run_sparse_mla_bwd_fixed(const SparseMlaBwdParams& p, int32_t* limbs, int32_t* flags,
+                                      cudaStream_t stream, const char** detail) {
+  using namespace sparse_mla;
+  LaunchStatus s;
+  if ((s = check_problem(p, detail)) != LaunchStatus::kOk) return s;
+  if (p.dkv_fixed == nullptr || p.flag_bits == p.bound_bits) {
+    *detail = "the sharded deterministic backward needs its fixed-point sums and flag words apart from the bounds";
+    return LaunchStatus::kInvalidProblem;
+  }
+  const size_t dkv_elems = dkv_elements(p);
+  if ((s = zero(p.dkv_fixed, dkv_elems * sizeof(long long), stream, detail)) != LaunchStatus::kOk ||
+      (s = zero(p.flag_bits, size_t(p.batch) * sizeof(unsigned), stream, detail)) != LaunchStatus::kOk ||
+      (s = run_main(p, stream, detail)) != LaunchStatus::kOk)
+    return s;
+  return launch_fixed_to_limbs(p.dkv_fixed, p.flag_bits, p.batch, int64_t(p.s_kv) * p.d_qk, limbs, flags, stream,
+                               detail);
 }
 
 }  // namespace attn_dist

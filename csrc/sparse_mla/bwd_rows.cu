@@ -129,10 +129,11 @@ __global__ void __launch_bounds__(kStreamThreads) kv_max_kernel(const __grid_con
 }
 
 // dkv = dkv_fixed * 2^-F with each batch element's own F (its S rows).
+// (Flags go into bound_bits in one call: flag_bits == bound_bits.)
 __global__ void __launch_bounds__(kStreamThreads) fixed_to_float_kernel(const __grid_constant__ SparseMlaBwdParams p) {
   const int64_t n = int64_t(p.s_kv) * p.d_qk;
   for (int b = blockIdx.y; b < p.batch; b += gridDim.y) {
-    const FixedPointScale s = fixed_point_scale(p.bound_bits[b], p.s_q);
+    const FixedPointScale s = fixed_point_scale(p.bound_bits[b], p.scale_rows);
     const int64_t first = int64_t(b) * n;
     for (int64_t i = blockIdx.x * int64_t(kStreamThreads) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * kStreamThreads)
@@ -168,9 +169,9 @@ dim3 stream_grid(int64_t work, int batch) {
 
 }  // namespace
 
-LaunchStatus launch_row_terms(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail) {
+LaunchStatus launch_row_terms(const SparseMlaBwdParams& p, bool with_bound, cudaStream_t stream, const char** detail) {
   const int64_t rows = int64_t(p.batch) * p.s_q;
-  if (p.dkv_fixed != nullptr) return launch_kernel(&row_terms_kernel<true>, rows, kRowThreads, 0, stream, detail, p);
+  if (with_bound) return launch_kernel(&row_terms_kernel<true>, rows, kRowThreads, 0, stream, detail, p);
   return launch_kernel(&row_terms_kernel<false>, rows, kRowThreads, 0, stream, detail, p);
 }
 

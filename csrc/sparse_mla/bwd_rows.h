@@ -11,9 +11,9 @@ namespace attn_dist {
 namespace sparse_mla {
 
 // row_delta = rowsum(dout * out) - dlse (in base e) per (row, head); with
-// dkv_fixed set, also each row's bound on its dkv terms, max-reduced into
-// its batch element's bound_bits (needs kv_max_bits from launch_kv_max first).
-LaunchStatus launch_row_terms(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);
+// with_bound, also each row's bound on its dkv terms, max-reduced into its
+// batch element's bound_bits (needs kv_max_bits from launch_kv_max first).
+LaunchStatus launch_row_terms(const SparseMlaBwdParams& p, bool with_bound, cudaStream_t stream, const char** detail);
 
 // max |kv| of each batch element, as float bits into kv_max_bits (zeroed first).
 LaunchStatus launch_kv_max(const SparseMlaBwdParams& p, cudaStream_t stream, const char** detail);

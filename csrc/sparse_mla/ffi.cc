@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -128,6 +129,63 @@ struct BwdWorkspace {
   }
 };
 
+// The sharded deterministic backward's main call's workspace (contract.py's
+// bwd_fixed_workspace_bytes): the fixed-point sums (int64 [B, N, D]), then
+// the flag words (uint32 [B]).
+struct BwdFixedWorkspace {
+  int64_t fixed_bytes, total_bytes;
+  explicit BwdFixedWorkspace(const RowProblem& r) {
+    fixed_bytes = AlignUp(r.B * r.N * r.D * 8);
+    total_bytes = fixed_bytes + AlignUp(r.B * 4);
+  }
+};
+
+// The nine operands every backward handler takes, checked; the sizes.
+ffi::Error CheckBwdOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& q, const ffi::Buffer<ffi::BF16>& kv,
+                            const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::S32>& q_start,
+                            const ffi::Buffer<ffi::S32>& row_ranges, const ffi::Buffer<ffi::BF16>& out,
+                            const ffi::Buffer<ffi::F32>& lse, const ffi::Buffer<ffi::BF16>& dout,
+                            const ffi::Buffer<ffi::F32>& dlse, float sm_scale, int32_t k_stride, RowProblem* r) {
+  if (auto e = CheckRowOperands(check, q, kv, indices, q_start, OptionalRanges(row_ranges), sm_scale, k_stride, r);
+      e.failure())
+    return e;
+  for (auto [name, dims] : {std::pair{"out", out.dimensions()}, std::pair{"dout", dout.dimensions()}})
+    if (auto e = check.Shape(name, dims, {r->B, r->S, r->H, kKernelDv}, "[B, S, H, d_v = 512]"); e.failure())
+      return e;
+  for (auto [name, dims] : {std::pair{"lse", lse.dimensions()}, std::pair{"dlse", dlse.dimensions()}})
+    if (auto e = check.Shape(name, dims, {r->B, r->S, r->H}, "[B, S, H]"); e.failure()) return e;
+  return ffi::Error::Success();
+}
+
+// The launch-size and alignment checks of a backward with rows to run.
+ffi::Error CheckBwdLaunch(const Checker& check, const RowProblem& r, std::initializer_list<const void*> pointers) {
+  if (auto e = CheckLaunchSize(check, r); e.failure()) return e;
+  for (const void* ptr : pointers)
+    if (!Aligned16(ptr)) return check.Invalid("q, kv, out, dout, the gradients and the workspace must be 16-byte aligned");
+  return ffi::Error::Success();
+}
+
+SparseMlaBwdParams BwdParams(const RowProblem& r, const ffi::Buffer<ffi::BF16>& q, const ffi::Buffer<ffi::BF16>& kv,
+                             const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::S32>& q_start,
+                             const ffi::Buffer<ffi::BF16>& out, const ffi::Buffer<ffi::F32>& lse,
+                             const ffi::Buffer<ffi::BF16>& dout, const ffi::Buffer<ffi::F32>& dlse, float sm_scale,
+                             bool causal, int32_t k_stride, bool lse_base_e) {
+  SparseMlaBwdParams p{};
+  SetRowParams(p, r, q, kv, indices, q_start, sm_scale, causal, k_stride, lse_base_e);
+  p.sm_scale = sm_scale;
+  p.out = out.untyped_data();
+  p.lse = lse.typed_data();
+  p.dout = dout.untyped_data();
+  p.dlse = dlse.typed_data();
+  p.scale_rows = r.S;
+  return p;
+}
+
+ffi::Error Zero(const Checker& check, void* ptr, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0 || cudaMemsetAsync(ptr, 0, bytes, stream) == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(check.target) + ": cudaMemsetAsync failed");
+}
+
 ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
                             ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
                             ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::BF16> out, ffi::Buffer<ffi::F32> lse,
@@ -137,13 +195,10 @@ ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
                             int32_t k_stride, bool lse_base_e, bool deterministic) {
   const Checker check{kSparseMlaBwdTarget};
   RowProblem r{};
-  if (auto e = CheckRowOperands(check, q, kv, indices, q_start, OptionalRanges(row_ranges), sm_scale, k_stride, &r);
+  if (auto e = CheckBwdOperands(check, q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, sm_scale, k_stride,
+                                &r);
       e.failure())
     return e;
-  for (auto [name, dims] : {std::pair{"out", out.dimensions()}, std::pair{"dout", dout.dimensions()}})
-    if (auto e = check.Shape(name, dims, {r.B, r.S, r.H, kKernelDv}, "[B, S, H, d_v = 512]"); e.failure()) return e;
-  for (auto [name, dims] : {std::pair{"lse", lse.dimensions()}, std::pair{"dlse", dlse.dimensions()}})
-    if (auto e = check.Shape(name, dims, {r.B, r.S, r.H}, "[B, S, H]"); e.failure()) return e;
   if (auto e = check.Shape("dq", dq->dimensions(), {r.B, r.S, r.H, r.D}, "[B, S, H, D]"); e.failure()) return e;
   if (auto e = check.Shape("dkv", dkv->dimensions(), {r.B, r.N, 1, r.D}, "[B, N, 1, D]"); e.failure()) return e;
   const BwdWorkspace layout(r, deterministic);
@@ -152,25 +207,17 @@ ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
                          std::to_string(workspace->size_bytes()));
 
   if (dq->element_count() == 0 && dkv->element_count() == 0) return ffi::Error::Success();  // no launch
-  if (dq->element_count() == 0) {  // no query rows: no gradient reaches kv
-    if (cudaMemsetAsync(dkv->untyped_data(), 0, dkv->size_bytes(), stream) != cudaSuccess)
-      return ffi::Error::Internal(std::string(kSparseMlaBwdTarget) + ": cudaMemsetAsync failed");
-    return ffi::Error::Success();
-  }
+  // no query rows: no gradient reaches kv
+  if (dq->element_count() == 0) return Zero(check, dkv->untyped_data(), dkv->size_bytes(), stream);
 
-  if (auto e = CheckLaunchSize(check, r); e.failure()) return e;
-  if (!Aligned16(q.untyped_data()) || !Aligned16(kv.untyped_data()) || !Aligned16(out.untyped_data()) ||
-      !Aligned16(dout.untyped_data()) || !Aligned16(dq->untyped_data()) || !Aligned16(dkv->untyped_data()) ||
-      !Aligned16(workspace->untyped_data()))
-    return check.Invalid("q, kv, out, dout, dq, dkv and the workspace must be 16-byte aligned");
+  if (auto e = CheckBwdLaunch(check, r,
+                              {q.untyped_data(), kv.untyped_data(), out.untyped_data(), dout.untyped_data(),
+                               dq->untyped_data(), dkv->untyped_data(), workspace->untyped_data()});
+      e.failure())
+    return e;
 
-  SparseMlaBwdParams p{};
-  SetRowParams(p, r, q, kv, indices, q_start, sm_scale, causal, k_stride, lse_base_e);
-  p.sm_scale = sm_scale;
-  p.out = out.untyped_data();
-  p.lse = lse.typed_data();
-  p.dout = dout.untyped_data();
-  p.dlse = dlse.typed_data();
+  SparseMlaBwdParams p = BwdParams(r, q, kv, indices, q_start, out, lse, dout, dlse, sm_scale, causal, k_stride,
+                                   lse_base_e);
   p.dq = dq->untyped_data();
   p.dkv = dkv->typed_data();
   auto* base = static_cast<char*>(workspace->untyped_data());
@@ -180,10 +227,101 @@ ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
     auto* words = reinterpret_cast<unsigned int*>(base + layout.row_terms_bytes + layout.fixed_bytes);
     p.kv_max_bits = words;
     p.bound_bits = words + r.B;
+    p.flag_bits = p.bound_bits;  // one call: a flagged term raises the bound itself
   }
 
   const char* detail = "";
   return check.Launched(run_sparse_mla_bwd(p, stream, &detail), detail);
+}
+
+// The sharded deterministic backward, first call: the row terms and the
+// scale words [2, B] (max |kv|, then the rows' largest bound, as float bits).
+ffi::Error SparseMlaBwdBoundImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
+                                 ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+                                 ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::BF16> out,
+                                 ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::BF16> dout, ffi::Buffer<ffi::F32> dlse,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> row_delta,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> scale_words, float sm_scale, bool causal,
+                                 int32_t k_stride, bool lse_base_e) {
+  const Checker check{kSparseMlaBwdBoundTarget};
+  RowProblem r{};
+  if (auto e = CheckBwdOperands(check, q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, sm_scale, k_stride,
+                                &r);
+      e.failure())
+    return e;
+  if (auto e = check.Shape("row_delta", row_delta->dimensions(), {r.B, r.S, r.H}, "[B, S, H]"); e.failure()) return e;
+  if (auto e = check.Shape("scale_words", scale_words->dimensions(), {2, r.B}, "[2, B]"); e.failure()) return e;
+  // No rows: no bound (and nothing for the later calls to scale).
+  if (row_delta->element_count() == 0) return Zero(check, scale_words->untyped_data(), scale_words->size_bytes(), stream);
+  if (auto e = CheckBwdLaunch(check, r, {q.untyped_data(), kv.untyped_data(), out.untyped_data(), dout.untyped_data()});
+      e.failure())
+    return e;
+
+  SparseMlaBwdParams p = BwdParams(r, q, kv, indices, q_start, out, lse, dout, dlse, sm_scale, causal, k_stride,
+                                   lse_base_e);
+  p.row_delta = row_delta->typed_data();
+  auto* words = reinterpret_cast<unsigned int*>(scale_words->typed_data());
+  p.kv_max_bits = words;
+  p.bound_bits = words + r.B;
+  const char* detail = "";
+  return check.Launched(run_sparse_mla_bwd_bound(p, stream, &detail), detail);
+}
+
+// The sharded deterministic backward, second call: given the row terms and
+// every shard's largest scale words, dq and this shard's fixed-point sums as
+// limbs [3, B, N, 1, D] and flags [B]; the scale chosen for scale_rows rows.
+ffi::Error SparseMlaBwdFixedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
+                                 ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+                                 ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::BF16> out,
+                                 ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::BF16> dout, ffi::Buffer<ffi::F32> dlse,
+                                 ffi::Buffer<ffi::F32> row_delta, ffi::Buffer<ffi::S32> scale_words,
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> dq, ffi::Result<ffi::Buffer<ffi::S32>> limbs,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> flags, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                                 float sm_scale, bool causal, int32_t k_stride, bool lse_base_e, int64_t scale_rows) {
+  const Checker check{kSparseMlaBwdFixedTarget};
+  RowProblem r{};
+  if (auto e = CheckBwdOperands(check, q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, sm_scale, k_stride,
+                                &r);
+      e.failure())
+    return e;
+  if (auto e = check.Shape("row_delta", row_delta.dimensions(), {r.B, r.S, r.H}, "[B, S, H]"); e.failure()) return e;
+  if (auto e = check.Shape("scale_words", scale_words.dimensions(), {2, r.B}, "[2, B]"); e.failure()) return e;
+  if (auto e = check.Shape("dq", dq->dimensions(), {r.B, r.S, r.H, r.D}, "[B, S, H, D]"); e.failure()) return e;
+  if (auto e = check.Shape("limbs", limbs->dimensions(), {3, r.B, r.N, 1, r.D}, "[3, B, N, 1, D]"); e.failure())
+    return e;
+  if (auto e = check.Shape("flags", flags->dimensions(), {r.B}, "[B]"); e.failure()) return e;
+  if (scale_rows < r.S)
+    return check.Invalid("scale_rows must be at least this shard's rows S = " + std::to_string(r.S) + ", got " +
+                         std::to_string(scale_rows));
+  const BwdFixedWorkspace layout(r);
+  if (int64_t(workspace->size_bytes()) < layout.total_bytes)
+    return check.Invalid("workspace must hold " + std::to_string(layout.total_bytes) + " bytes, got " +
+                         std::to_string(workspace->size_bytes()));
+  if (dq->element_count() == 0) {  // no query rows: no gradient reaches kv
+    if (auto e = Zero(check, limbs->untyped_data(), limbs->size_bytes(), stream); e.failure()) return e;
+    return Zero(check, flags->untyped_data(), flags->size_bytes(), stream);
+  }
+  if (auto e = CheckBwdLaunch(check, r,
+                              {q.untyped_data(), kv.untyped_data(), out.untyped_data(), dout.untyped_data(),
+                               dq->untyped_data(), workspace->untyped_data()});
+      e.failure())
+    return e;
+
+  SparseMlaBwdParams p = BwdParams(r, q, kv, indices, q_start, out, lse, dout, dlse, sm_scale, causal, k_stride,
+                                   lse_base_e);
+  p.dq = dq->untyped_data();
+  p.row_delta = const_cast<float*>(row_delta.typed_data());  // read only: the row terms were formed before
+  // read only here: the scale words are every shard's maximum
+  auto* words = reinterpret_cast<unsigned int*>(const_cast<int32_t*>(scale_words.typed_data()));
+  p.kv_max_bits = words;
+  p.bound_bits = words + r.B;
+  auto* base = static_cast<char*>(workspace->untyped_data());
+  p.dkv_fixed = reinterpret_cast<long long*>(base);
+  p.flag_bits = reinterpret_cast<unsigned int*>(base + layout.fixed_bytes);
+  p.scale_rows = scale_rows;
+  const char* detail = "";
+  return check.Launched(
+      run_sparse_mla_bwd_fixed(p, limbs->typed_data(), flags->typed_data(), stream, &detail), detail);
 }
 
 }  // namespace
@@ -225,6 +363,51 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwd, SparseMlaBwdImpl,
                                   .Attr<int32_t>("k_stride")
                                   .Attr<bool>("lse_base_e")
                                   .Attr<bool>("deterministic"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwdBound, SparseMlaBwdBoundImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // dout
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dlse
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // row_delta
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // scale_words
+                                  .Attr<float>("sm_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("k_stride")
+                                  .Attr<bool>("lse_base_e"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwdFixed, SparseMlaBwdFixedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // dout
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dlse
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // row_delta
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // scale_words
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // dq
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // limbs
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // flags
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<float>("sm_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("k_stride")
+                                  .Attr<bool>("lse_base_e")
+                                  .Attr<int64_t>("scale_rows"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace attn_dist

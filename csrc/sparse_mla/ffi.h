@@ -19,4 +19,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaFwd);
 inline constexpr const char* kSparseMlaBwdTarget = "jax_attn_dist_sparse_mla_bwd";
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaBwd);
 
+// The deterministic backward of a call whose rows are sharded, split around
+// its all-reduces: (the backward's nine operands) -> (row_delta f32 [B, S,
+// H], scale_words int32 [2, B]); then (the nine, row_delta, scale_words
+// maxed over the shards) -> (dq, limbs int32 [3, B, N, 1, D], flags int32
+// [B], workspace), attr scale_rows int64 besides the forward's.
+inline constexpr const char* kSparseMlaBwdBoundTarget = "jax_attn_dist_sparse_mla_bwd_bound";
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaBwdBound);
+inline constexpr const char* kSparseMlaBwdFixedTarget = "jax_attn_dist_sparse_mla_bwd_fixed";
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaBwdFixed);
+
 }  // namespace attn_dist

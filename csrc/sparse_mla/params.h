@@ -47,7 +47,10 @@ namespace attn_dist {
 //   deterministic mode only: dkv_fixed [B, N, D] int64, the fixed-point sums
 //   (common/fixed_point.cuh), and per batch element two words, as float
 //   bits: kv_max_bits [B] (max |kv|) and bound_bits [B] (the largest bound
-//   of its rows on their dkv terms), from which its scale is chosen.
+//   of its rows on their dkv terms), from which its scale is chosen with
+//   scale_rows; flag_bits [B], where a non-finite or out-of-bound term is
+//   recorded (bound_bits itself in one call; apart from it when the rows are
+//   sharded and bound_bits is every shard's maximum, read-only).
 struct SparseMlaBwdParams {
   int batch, s_q, s_kv, h_q, d_qk, d_v, topk;
 
@@ -73,11 +76,24 @@ struct SparseMlaBwdParams {
   long long* dkv_fixed;    // nullptr: float32 atomics into dkv
   unsigned int* kv_max_bits;  // [B]
   unsigned int* bound_bits;   // [B]
+  unsigned int* flag_bits;    // [B]
+  int64_t scale_rows;         // the rows the scale is chosen for: s_q, or every shard's
 };
 
 // Launches the row preprocess, the main kernel and (deterministic) the
 // bound and conversion kernels on `stream`; zeroes what they accumulate
 // into first. Never synchronises or allocates (sparse_mla/bwd_launch.cu).
 LaunchStatus run_sparse_mla_bwd(const SparseMlaBwdParams& params, cudaStream_t stream, const char** detail);
+
+// The deterministic backward split around the all-reduces of a sharded call
+// (rows sharded over devices; jax_attn_dist/ops/sparse_mla/sharded_fixed_point.py):
+// first the row terms and the scale words kv_max_bits and bound_bits
+// (zeroed here), whose maximum over the shards then sets every shard's
+// scale; then, given those, dq and this shard's fixed-point sums (dkv_fixed
+// and flag_bits zeroed here) as limbs [3, B, N * D] and flags [B]
+// (fixed_point/limbs.h), for the shards' limbs to be added and converted.
+LaunchStatus run_sparse_mla_bwd_bound(const SparseMlaBwdParams& params, cudaStream_t stream, const char** detail);
+LaunchStatus run_sparse_mla_bwd_fixed(const SparseMlaBwdParams& params, int32_t* limbs, int32_t* flags,
+                                      cudaStream_t stream, const char** detail);
 
 }  // namespace attn_dist

@@ -29,7 +29,9 @@ array of batch element b. So:
   sharded over N or D (any query may select any key).
 * Each op's ``Decision`` subclass adds what else may be sharded (attn_dist:
   T and whole 64-head groups) and, where a result sums over rows (a key
-  gradient), ``psum``s each S-shard's partial sum in ``finish``.
+  gradient), ``psum``s each S-shard's partial sum in ``finish`` (or, where
+  the shards must first agree on a fixed-point scale, computes the shard in
+  ``run``).
 
 The partition callback reads the operands' shardings and decides
 (``Decision``): the rows operand gives B and S, the op's subclass the rest;
@@ -165,6 +167,13 @@ class Decision:
         """Per-shard post-processing of the inner primitive's results."""
         return outs
 
+    def run(self, bind, operands, params):
+        """The per-shard computation on the shard's (localized) operands:
+        the inner primitive (``bind(*operands)``), then ``finish``. An op
+        whose shards must agree on something before computing (``params``:
+        the static parameters by name) overrides it."""
+        return self.finish(bind(*operands))
+
 
 # ----------------------------------------------------------------------------
 # Shardy rules
@@ -244,7 +253,7 @@ def partitioned_lowering(inner_p, op: OpPartitioning):
         def per_shard(*operands):
             operands = list(operands)
             decision.localize(operands, op)
-            return decision.finish(bind(*operands, *static))
+            return decision.run(lambda *x: bind(*x, *static), operands, dict(zip(op.param_names, static)))
 
         return mesh, per_shard, out_shardings(decision), decision.arg_shardings
 

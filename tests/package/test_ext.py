@@ -20,7 +20,7 @@ from jax_attn_dist.ops.attn_dist import contract as attn_contract
 from jax_attn_dist.ops.indexer import contract as indexer_contract
 from jax_attn_dist.ops.indexer_topk import contract as topk_contract
 from jax_attn_dist.ops.sparse_mla import contract as sparse_mla_contract
-from jax_attn_dist._core import ext
+from jax_attn_dist._core import ext, fixed_point
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
@@ -220,7 +220,9 @@ def test_the_built_extension_matches_this_checkout():
     if checkout is not None:
         assert module.build_id() == ext.build_id_of(checkout), "the loaded extension is stale: pip install ."
     production = {attn_contract.FFI_TARGET, indexer_contract.FWD_FFI_TARGET, indexer_contract.BWD_FFI_TARGET,
-                  sparse_mla_contract.FFI_TARGET, sparse_mla_contract.BWD_FFI_TARGET, topk_contract.FFI_TARGET}
+                  sparse_mla_contract.FFI_TARGET, sparse_mla_contract.BWD_FFI_TARGET,
+                  sparse_mla_contract.BWD_BOUND_FFI_TARGET, sparse_mla_contract.BWD_FIXED_FFI_TARGET,
+                  fixed_point.LIMBS_TO_FLOAT_TARGET, topk_contract.FFI_TARGET}
     test_only = {attn_contract.FFI_TEST_TARGET, indexer_contract.FWD_FFI_TEST_TARGET, indexer_contract.BWD_FFI_TEST_TARGET}
     built_test_targets = getattr(module, "test_targets_built", lambda: True)()
     assert set(module.registrations()) == production | (test_only if built_test_targets else set())

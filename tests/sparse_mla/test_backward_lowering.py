@@ -17,11 +17,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from inputs import seed_of
 from jax_attn_dist import sparse_mla
-from jax_attn_dist._core import checks
+from jax_attn_dist._core import checks, fixed_point
 from jax_attn_dist.ops.sparse_mla import contract
 from jax_attn_dist.ops.sparse_mla.backward import sparse_mla_bwd_canonical
 from jax_attn_dist.ops.sparse_mla.contract import BWD_FFI_TARGET, FFI_TARGET, KERNEL_HEAD_DIMS, Problem
 from jax_attn_dist.ops.sparse_mla.primitive import sparse_mla_bwd_p, sparse_mla_p
+from jax_attn_dist.ops.sparse_mla.sharded_fixed_point import sharded_deterministic_backward
 from jaxpr_util import iter_eqns
 from sharding_util import collectives
 from sparse_mla_cases import make_sparse_mla_inputs
@@ -316,6 +317,43 @@ def test_cuda_lowering_in_a_shard_map_has_a_per_shard_backward_call(cross_loweri
     text = lower_text(jax.grad(loss, argnums=(0, 1)), args, "cuda")
     (call,) = call_lines(text, BWD_FFI_TARGET)
     assert "tensor<1x8x16x576xbf16>" in call and "tensor<1x100x1x576xf32>" in call, call
+
+
+@pytest.mark.host_devices(8)
+def test_cuda_lowering_of_the_row_sharded_deterministic_backward(cross_lowering):
+    """A deterministic backward with rows sharded (sharded_fixed_point.py),
+    lowered for CUDA per shard over 2 host devices: the bound call, a max
+    all-reduce of the [2, B] scale words, the fixed-point call (scale_rows:
+    every shard's rows), sum all-reduces of limbs and flags, and the
+    conversion of the summed limbs with the same rows."""
+    mesh = mesh_of((2,), ("x",))
+    B, S, H, D, N, T = 1, 16, 8, 576, 40, 8
+    params = dict(sm_scale=0.1, causal=True, k_stride=1, lse_base="e", d_v=512, deterministic=True,
+                  implementation=None)
+    args = (SDS((B, S, H, D), BF16), SDS((B, N, 1, D), BF16), SDS((B, S, 1, T), jnp.int32), SDS((B,), jnp.int32),
+            SDS((B, S, 0), jnp.int32), SDS((B, S, H, 512), BF16), SDS((B, S, H), F32), SDS((B, S, H, 512), BF16),
+            SDS((B, S, H), F32))
+    rows, whole = P(None, "x"), P()
+    f = jax.shard_map(lambda *ops: sharded_deterministic_backward(ops, params, axes=("x",), scale_rows=S),
+                      mesh=mesh, in_specs=(rows, whole, rows, whole, rows, rows, rows, rows, rows),
+                      out_specs=(rows, whole), check_vma=False)
+    text = lower_text(f, args, "cuda")
+    (bound,) = call_lines(text, contract.BWD_BOUND_FFI_TARGET)
+    assert "tensor<1x8x8x576xbf16>" in bound and "tensor<2x1xi32>" in bound, bound
+    (fixed,) = call_lines(text, contract.BWD_FIXED_FFI_TARGET)
+    assert f"scale_rows = {S} : i64" in fixed and "tensor<3x1x40x1x576xi32>" in fixed, fixed
+    (convert,) = call_lines(text, fixed_point.LIMBS_TO_FLOAT_TARGET)
+    assert f"rows = {S} : i64" in convert and "tensor<3x1x23040xi32>" in convert, convert
+    reductions = re.findall(r'"?stablehlo\.all_reduce"?\(', text)
+    assert len(reductions) == 3, text  # the words' max; limbs and flags summed (one each: XLA may combine them)
+    assert text.index(contract.BWD_BOUND_FFI_TARGET) < text.index(contract.BWD_FIXED_FFI_TARGET) < text.index(
+        fixed_point.LIMBS_TO_FLOAT_TARGET)
+
+
+def test_shard_count_limit_of_the_fixed_point_limbs():
+    fixed_point.check_shard_count(fixed_point.MAX_SHARDS, "sparse_mla backward")
+    with pytest.raises(ValueError, match=r"sparse_mla backward: deterministic=True .* at most 1024 shards"):
+        fixed_point.check_shard_count(fixed_point.MAX_SHARDS + 1, "sparse_mla backward")
 
 
 # ----------------------------------------------------------------------------

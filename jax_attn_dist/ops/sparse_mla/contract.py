@@ -21,6 +21,11 @@ from .variants import KERNEL_VARIANTS
 #: There is no test-only twin writing into a poisoned output for this op.
 FFI_TARGET = "jax_attn_dist_sparse_mla_fwd"
 BWD_FFI_TARGET = "jax_attn_dist_sparse_mla_bwd"
+#: The deterministic backward of a row-sharded call, in two kernel calls
+#: around the all-reduces (``sharded_fixed_point.py``): the row terms and
+#: scale words, then dq and the shard's fixed-point sums as limbs.
+BWD_BOUND_FFI_TARGET = "jax_attn_dist_sparse_mla_bwd_bound"
+BWD_FIXED_FFI_TARGET = "jax_attn_dist_sparse_mla_bwd_fixed"
 
 #: Feature sizes D of q and kv the CUDA kernel is built for (MLA: 512 latent
 #: + 64 rope).
@@ -198,3 +203,12 @@ def bwd_workspace_bytes(q_shape, kv_shape, *, deterministic: bool) -> int:
     if deterministic:
         size += _align(B * N * D * 8, 256) + _align(B * 2 * 4, 256)
     return size
+
+
+def bwd_fixed_workspace_bytes(q_shape, kv_shape) -> int:
+    """The sharded deterministic backward's main call's workspace: the
+    fixed-point sums (int64 [B, N, D]), then the flag words (uint32 [B]),
+    each on a 256-byte boundary."""
+    B = int(q_shape[0])
+    _, N, _, D = (int(d) for d in kv_shape)
+    return _align(B * N * D * 8, 256) + _align(B * 4, 256)

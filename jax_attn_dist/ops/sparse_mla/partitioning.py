@@ -11,14 +11,19 @@ dimensions stay whole (a softmax over a split T would need collectives).
 The backward shards like the forward (out, lse and the cotangents with their
 rows and heads). Its ``dkv`` sums over every row and every head: each S- and
 H-shard computes the partial sum of its rows and heads, and ``finish``
-``psum``s it over the S and H axes.
+``psum``s it over the S and H axes. With ``deterministic`` on the kernel,
+``run`` instead has the shards agree on one fixed-point scale and add their
+integer sums exactly (``sharded_fixed_point.py``): an S-sharded call gives
+the unsharded call's bits.
 """
 
 from __future__ import annotations
 
 import jax
 
-from ..._core.partitioning import Decision, OpPartitioning, read_spec, sdy_rule
+from ..._core import fixed_point
+from ..._core.partitioning import Decision, OpPartitioning, mesh_size, read_spec, sdy_rule
+from . import sharded_fixed_point
 
 
 class SparseMlaDecision(Decision):
@@ -69,6 +74,19 @@ class SparseMlaBwdDecision(SparseMlaDecision):
         if partial_axes:
             dkv = jax.lax.psum(dkv, partial_axes)
         return dq, dkv
+
+    def run(self, bind, operands, params):
+        """With ``deterministic`` on the CUDA kernel, the shards first agree
+        on each batch element's fixed-point scale and then add their exact
+        integer sums (``sharded_fixed_point.py``)."""
+        partial_axes = self.s + self.h
+        if not (params["deterministic"] and partial_axes
+                and sharded_fixed_point.kernel_serves(operands, params, self.mesh)):
+            return super().run(bind, operands, params)
+        fixed_point.check_shard_count(mesh_size(self.mesh, partial_axes), "sparse_mla backward")
+        S = operands[0].shape[1] * mesh_size(self.mesh, self.s)
+        return sharded_fixed_point.sharded_deterministic_backward(
+            operands, params, axes=partial_axes, scale_rows=S * mesh_size(self.mesh, self.h))
 
 
 _OPERANDS = (("b", "s", "h", "d"), ("b", "n", "hk", "d"), ("b", "s", "hk", "t"), ("b",), ("b", "s", "r"))
