@@ -51,6 +51,8 @@ NB_MODULE(_cuda, m) {
     d[kAttnDistFwdTarget] = Capsule(kAttnDistFwd);
     d[kIndexerFwdTarget] = Capsule(kIndexerFwd);
     d[kIndexerBwdTarget] = Capsule(kIndexerBwd);
+    d[kIndexerBwdBoundTarget] = Capsule(kIndexerBwdBound);
+    d[kIndexerBwdFixedTarget] = Capsule(kIndexerBwdFixed);
     d[kIndexerTopkTarget] = Capsule(kIndexerTopk);
     d[kSparseMlaFwdTarget] = Capsule(kSparseMlaFwd);
     d[kSparseMlaBwdTarget] = Capsule(kSparseMlaBwd);

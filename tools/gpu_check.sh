@@ -107,9 +107,10 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
             python3 tests/support/sanitizer_run.py "$mode"
         done
       done ;;
-    sanitize-bwd)  # sparse_mla's backward: its main kernel under every tool, all its kernels under memcheck
+    sanitize-bwd)  # sparse_mla's backward: its main kernel under every tool, all its kernels (and the
+                   # deterministic backwards' per-shard steps for sharded rows) under memcheck
       run sanitize-memcheck-sparse_mla_bwd compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 tests/support/sanitizer_run.py sparse_mla_bwd
+        python3 tests/support/sanitizer_run.py sparse_mla_bwd sharded_steps
       for tool in racecheck synccheck; do
         run "sanitize-$tool-sparse_mla_bwd" compute-sanitizer --tool "$tool" --kernel-name kns=sparse_mla_bwd_kernel \
           --error-exitcode 9 python3 tests/support/sanitizer_run.py sparse_mla_bwd

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kBoundThreads) row_bound_kernel(const __grid_c
 // d_index_k = dk_fixed * 2^-F, two elements per thread and step (DI is even).
 __global__ void __launch_bounds__(kConvertThreads) fixed_to_float_kernel(const __grid_constant__ IndexerBwdParams p,
                                                                         int64_t pairs) {
-  const FixedPointScale s = fixed_point_scale(*p.bound_bits, int64_t(p.batch) * p.s_q);
+  const FixedPointScale s = fixed_point_scale(*p.bound_bits, p.scale_rows);
   const longlong2* src = reinterpret_cast<const longlong2*>(p.dk_fixed);
   float2* dst = reinterpret_cast<float2*>(p.d_index_k);
   for (int64_t i = blockIdx.x * int64_t(kConvertThreads) + threadIdx.x; i < pairs;

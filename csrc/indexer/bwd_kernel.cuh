@@ -95,7 +95,7 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
   // kernel), kept in shared memory: the HT = 64 consumer has no register to
   // spare across the loop. row_target_mass's barrier publishes it.
   if constexpr (Cfg::kDeterministic)
-    if (thread_in_wg == 0) plan.to_fixed = fixed_point_scale(*p.bound_bits, int64_t(p.batch) * p.s_q).to_fixed;
+    if (thread_in_wg == 0) plan.to_fixed = fixed_point_scale(*p.bound_bits, p.scale_rows).to_fixed;
   const float tau = row_target_mass<Cfg>(plan, p, c, thread_in_wg);
   // A row with no target mass (or no valid slot) has all-zero gradients.
   const float g_live = tau > 0.f && lse > -INFINITY ? g : 0.f;
@@ -162,7 +162,7 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
     // A non-finite dl (index_k or lse not finite; the other operands are in
     // the row bound) would become a zero integer: flag it, d_index_k is NaN.
     if constexpr (Cfg::kDeterministic)
-      if (!(fabsf(dl_scaled[0]) <= FLT_MAX && fabsf(dl_scaled[1]) <= FLT_MAX)) flag_non_finite(p.bound_bits);
+      if (!(fabsf(dl_scaled[0]) <= FLT_MAX && fabsf(dl_scaled[1]) <= FLT_MAX)) flag_non_finite(p.flag_bits);
     CUTE_UNROLL
     for (int j = 0; j < HT / 8; ++j) {
       const float2 w = weights.w[j];
@@ -319,11 +319,13 @@ LaunchStatus run_bwd_variant(const IndexerBwdParams& p, cudaStream_t stream, con
   if constexpr (!Cfg::kDeterministic) {
     return launch_per_row<Cfg>(&indexer_bwd_kernel<Cfg>, p, stream, detail);
   } else {
-    // The rows' bounds (and so F), the fixed-point sums, then d_index_k.
-    if (LaunchStatus s = launch_row_bounds(p, stream, detail); s != LaunchStatus::kOk) return s;
+    // The rows' bounds (and so F), the fixed-point sums, then d_index_k
+    // (sums_only: the sums alone, the bound given).
+    if (!p.sums_only)
+      if (LaunchStatus s = launch_row_bounds(p, stream, detail); s != LaunchStatus::kOk) return s;
     if (LaunchStatus s = launch_per_row<Cfg>(&indexer_bwd_kernel<Cfg>, p, stream, detail); s != LaunchStatus::kOk)
       return s;
-    return launch_fixed_to_float(p, stream, detail);
+    return p.sums_only ? LaunchStatus::kOk : launch_fixed_to_float(p, stream, detail);
   }
 }
 

@@ -3,6 +3,8 @@
 // variant is instantiated in its own generated file (a few to a unit).
 #include <string>
 
+#include "../fixed_point/limbs.h"
+#include "fixed_point.cuh"
 #include "params.h"
 #include "variants.h"
 
@@ -23,8 +25,12 @@ LaunchStatus run_indexer_bwd(const IndexerBwdParams& p, cudaStream_t stream, con
     return LaunchStatus::kUnsupportedDim;
   }
   const bool deterministic = p.dk_fixed != nullptr;
-  if (deterministic && p.bound_bits == nullptr) {
-    *detail = "the deterministic backward needs its bound word";
+  if (deterministic && (p.bound_bits == nullptr || p.flag_bits == nullptr || p.scale_rows < int64_t(p.batch) * p.s_q)) {
+    *detail = "the deterministic backward needs its bound and flag words, and at least its own rows to scale for";
+    return LaunchStatus::kInvalidProblem;
+  }
+  if (p.sums_only != (deterministic && p.flag_bits != p.bound_bits)) {
+    *detail = "a deterministic call flags its terms in its bound word unless it leaves its sums fixed-point";
     return LaunchStatus::kInvalidProblem;
   }
   // The narrowest head tile that holds the heads, as in the forward.
@@ -45,6 +51,25 @@ LaunchStatus run_indexer_bwd(const IndexerBwdParams& p, cudaStream_t stream, con
     *detail = KeepMessage("the indexer backward kernel takes at most " +
                           std::to_string(IndexerBwdMaxHeads(p.d_idx, deterministic)) + " heads");
   return LaunchStatus::kUnsupportedDim;
+}
+
+LaunchStatus run_indexer_bwd_bound(const IndexerBwdParams& p, cudaStream_t stream, const char** detail) {
+  if (p.bound_bits == nullptr) {
+    *detail = "the bound needs its word";
+    return LaunchStatus::kInvalidProblem;
+  }
+  return indexer::launch_row_bounds(p, stream, detail);
+}
+
+LaunchStatus run_indexer_bwd_fixed(const IndexerBwdParams& p, int32_t* limbs, int32_t* flags, cudaStream_t stream,
+                                   const char** detail) {
+  if (!p.sums_only || p.dk_fixed == nullptr) {
+    *detail = "the sharded deterministic backward leaves its sums fixed-point";
+    return LaunchStatus::kInvalidProblem;
+  }
+  if (LaunchStatus s = run_indexer_bwd(p, stream, detail); s != LaunchStatus::kOk) return s;
+  return launch_fixed_to_limbs(p.dk_fixed, p.flag_bits, 1, int64_t(p.batch) * p.s_kv * p.d_idx, limbs, flags, stream,
+                               detail);
 }
 
 }  // namespace attn_dist

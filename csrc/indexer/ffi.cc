@@ -176,6 +176,8 @@ ffi::Error IndexerBwdCall(const char* target, cudaStream_t stream, ffi::Buffer<f
   if (fixed) {
     p.dk_fixed = static_cast<long long*>(workspace->untyped_data());
     p.bound_bits = reinterpret_cast<unsigned int*>(p.dk_fixed + dk_elems);
+    p.flag_bits = p.bound_bits;  // one call: a flagged term raises the bound itself
+    p.scale_rows = B * S;
   }
 
   const char* detail = "";
@@ -183,6 +185,102 @@ ffi::Error IndexerBwdCall(const char* target, cudaStream_t stream, ffi::Buffer<f
 }
 
 namespace {
+
+// The sharded deterministic backward's first call: the rows' largest bound,
+// as float bits, into bound [1].
+ffi::Error IndexerBwdBoundImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
+                               ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
+                               ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                               ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> g, OptionalRanges row_ranges,
+                               ffi::Result<ffi::Buffer<ffi::S32>> bound, float scale, bool causal,
+                               int32_t k_stride) {
+  const Checker check{kIndexerBwdBoundTarget};
+  IndexerDims d{};
+  const int32_t* ranges = nullptr;
+  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges, scale,
+                                    k_stride, kIndexerBwdHeadDims, IndexerBwdMaxHeads(), &d, &ranges);
+      e.failure())
+    return e;
+  if (auto e = check.Shape("lse", lse.dimensions(), {d.B, d.S}, "[B, S]"); e.failure()) return e;
+  if (auto e = check.Shape("g", g.dimensions(), {d.B, d.S}, "[B, S]"); e.failure()) return e;
+  if (auto e = check.Shape("bound", bound->dimensions(), {1}, "[1]"); e.failure()) return e;
+  if (cudaMemsetAsync(bound->untyped_data(), 0, bound->size_bytes(), stream) != cudaSuccess)
+    return ffi::Error::Internal(std::string(check.target) + ": clearing the bound failed");
+  if (d.B * d.S == 0) return ffi::Error::Success();  // no rows: bound 0
+  IndexerBwdParams p{};
+  FillIndexerProblem(p, d, index_q, index_k, weights, indices, target_dist, q_start, ranges, scale, causal,
+                     k_stride);
+  p.lse = lse.typed_data();
+  p.g = g.typed_data();
+  p.bound_bits = reinterpret_cast<unsigned int*>(bound->typed_data());
+  const char* detail = "";
+  return check.Launched(run_indexer_bwd_bound(p, stream, &detail), detail);
+}
+
+// The sharded deterministic backward's second call: given every shard's
+// bound, d_index_q, d_weights and this shard's fixed-point sums of
+// d_index_k as limbs [3, 1, B * N * DI] and a flag [1]; F chosen for
+// scale_rows rows. The workspace: the int64 sums [B, N, DI], then the flag
+// word (8 bytes).
+ffi::Error IndexerBwdFixedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
+                               ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
+                               ffi::Buffer<ffi::F32> target_dist, ffi::Buffer<ffi::S32> q_start,
+                               ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::S32> bound,
+                               OptionalRanges row_ranges, ffi::Result<ffi::Buffer<ffi::BF16>> d_index_q,
+                               ffi::Result<ffi::Buffer<ffi::F32>> d_weights, ffi::Result<ffi::Buffer<ffi::S32>> limbs,
+                               ffi::Result<ffi::Buffer<ffi::S32>> flags, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                               float scale, bool causal, int32_t k_stride, int64_t scale_rows) {
+  const Checker check{kIndexerBwdFixedTarget};
+  IndexerDims d{};
+  const int32_t* ranges = nullptr;
+  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges, scale,
+                                    k_stride, kIndexerBwdHeadDims, IndexerBwdMaxHeads(), &d, &ranges);
+      e.failure())
+    return e;
+  const int64_t B = d.B, S = d.S, HI = d.HI, DI = d.DI, N = d.N;
+  if (auto e = check.Shape("lse", lse.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
+  if (auto e = check.Shape("g", g.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
+  if (auto e = check.Shape("bound", bound.dimensions(), {1}, "[1]"); e.failure()) return e;
+  if (auto e = check.Shape("d_index_q", d_index_q->dimensions(), {B, S, HI, DI}, "[B, S, HI, DI]"); e.failure())
+    return e;
+  if (auto e = check.Shape("d_weights", d_weights->dimensions(), {B, S, HI}, "[B, S, HI]"); e.failure()) return e;
+  const int64_t dk_elems = B * N * DI;
+  if (auto e = check.Shape("limbs", limbs->dimensions(), {3, 1, dk_elems}, "[3, 1, B * N * DI]"); e.failure())
+    return e;
+  if (auto e = check.Shape("flags", flags->dimensions(), {1}, "[1]"); e.failure()) return e;
+  if (scale_rows < B * S)
+    return check.Invalid("scale_rows must be at least this shard's rows B * S = " + std::to_string(B * S) + ", got " +
+                         std::to_string(scale_rows));
+  const int64_t want_ws = (dk_elems + 1) * int64_t(sizeof(int64_t));
+  if (int64_t(workspace->element_count()) != want_ws)
+    return check.Invalid("workspace must be uint8 [" + std::to_string(want_ws) + "] (8 * (B * N * DI + 1)), got " +
+                         attn_dist::Shape(workspace->dimensions()));
+  if (!Aligned16(workspace->untyped_data())) return check.Invalid("workspace must be 16-byte aligned");
+  const bool rows = B * S > 0;
+  // The sums and the flag start from zero (with no rows, the limbs are the zero sums).
+  void* const zeroed = rows ? workspace->untyped_data() : limbs->untyped_data();
+  const size_t zeroed_bytes = rows ? size_t(want_ws) : limbs->size_bytes();
+  if ((zeroed_bytes > 0 && cudaMemsetAsync(zeroed, 0, zeroed_bytes, stream) != cudaSuccess) ||
+      cudaMemsetAsync(flags->untyped_data(), 0, flags->size_bytes(), stream) != cudaSuccess)
+    return ffi::Error::Internal(std::string(check.target) + ": clearing the d_index_k sums failed");
+  if (!rows) return ffi::Error::Success();
+
+  IndexerBwdParams p{};
+  FillIndexerProblem(p, d, index_q, index_k, weights, indices, target_dist, q_start, ranges, scale, causal,
+                     k_stride);
+  p.lse = lse.typed_data();
+  p.g = g.typed_data();
+  p.d_index_q = d_index_q->untyped_data();
+  p.d_weights = d_weights->typed_data();
+  p.dk_fixed = static_cast<long long*>(workspace->untyped_data());
+  // read only here: every shard's bound
+  p.bound_bits = reinterpret_cast<unsigned int*>(const_cast<int32_t*>(bound.typed_data()));
+  p.flag_bits = reinterpret_cast<unsigned int*>(p.dk_fixed + dk_elems);
+  p.scale_rows = scale_rows;
+  p.sums_only = true;
+  const char* detail = "";
+  return check.Launched(run_indexer_bwd_fixed(p, limbs->typed_data(), flags->typed_data(), stream, &detail), detail);
+}
 
 ffi::Error IndexerFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q, ffi::Buffer<ffi::BF16> index_k,
                           ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> indices,
@@ -216,6 +314,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerFwd, IndexerFwdImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwd, IndexerBwdImpl,
                               IndexerBwdResultsAndAttrs(IndexerBwdOperands().OptionalArg<ffi::Buffer<ffi::S32>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwdBound, IndexerBwdBoundImpl,
+                              IndexerBwdOperands()
+                                  .OptionalArg<ffi::Buffer<ffi::S32>>()  // row_ranges
+                                  .Ret<ffi::Buffer<ffi::S32>>()          // bound
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("k_stride"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwdFixed, IndexerBwdFixedImpl,
+                              IndexerBwdOperands()
+                                  .Arg<ffi::Buffer<ffi::S32>>()          // bound
+                                  .OptionalArg<ffi::Buffer<ffi::S32>>()  // row_ranges
+                                  .Ret<ffi::Buffer<ffi::BF16>>()         // d_index_q
+                                  .Ret<ffi::Buffer<ffi::F32>>()          // d_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>()          // limbs
+                                  .Ret<ffi::Buffer<ffi::S32>>()          // flags
+                                  .Ret<ffi::Buffer<ffi::U8>>()           // workspace
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("k_stride")
+                                  .Attr<int64_t>("scale_rows"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace attn_dist

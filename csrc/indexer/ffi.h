@@ -26,6 +26,18 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerFwd);
 inline constexpr const char* kIndexerBwdTarget = "jax_attn_dist_indexer_bwd";
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerBwd);
 
+// The deterministic backward of a call whose rows are sharded, split around
+// its all-reduces: (index_q, index_k, weights, indices, target, q_start, lse,
+// g[, row_ranges]) -> bound int32 [1] (the rows' largest bound, as float
+// bits); then (the same up to g, bound maxed over the shards[, row_ranges])
+// -> (d_index_q, d_weights, limbs int32 [3, 1, B * N * DI], flags int32 [1],
+// workspace u8 [8 * (B * N * DI + 1)]), attr scale_rows int64 besides the
+// forward's.
+inline constexpr const char* kIndexerBwdBoundTarget = "jax_attn_dist_indexer_bwd_bound";
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerBwdBound);
+inline constexpr const char* kIndexerBwdFixedTarget = "jax_attn_dist_indexer_bwd_fixed";
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerBwdFixed);
+
 // The handlers' checks and launches; `target` names them in errors.
 ffi::Error IndexerFwdCall(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> index_q,
                           ffi::Buffer<ffi::BF16> index_k, ffi::Buffer<ffi::F32> weights,

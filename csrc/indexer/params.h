@@ -58,6 +58,11 @@ struct IndexerBwdParams : IndexerProblemParams {
   float* d_index_k;
   long long* dk_fixed;     // deterministic mode's accumulator, else nullptr
   unsigned int* bound_bits;
+  unsigned int* flag_bits;  // a non-finite term recorded: bound_bits in one call
+  int64_t scale_rows;       // the rows F is chosen for: B * S, or every shard's
+  // The sharded deterministic mode's main call: bound_bits holds every
+  // shard's bound already, and the sums stay fixed-point (for the shards' limbs).
+  bool sums_only;
 };
 
 // Launch on `stream`; never synchronise, never allocate. On failure `detail`
@@ -68,5 +73,15 @@ LaunchStatus run_indexer_fwd(const IndexerFwdParams& params, cudaStream_t stream
 // On entry d_index_k (float32 mode) or dk_fixed and bound_bits (deterministic
 // mode) must be zero: the FFI handler clears them on the stream.
 LaunchStatus run_indexer_bwd(const IndexerBwdParams& params, cudaStream_t stream, const char** detail);
+
+// The deterministic backward of a call whose rows are sharded, split around
+// its all-reduces (jax_attn_dist/ops/indexer/sharded_fixed_point.py): the
+// rows' bound into bound_bits (zeroed by the caller); then, given every
+// shard's bound, d_index_q, d_weights and this shard's fixed-point sums
+// (dk_fixed and flag_bits zeroed by the caller) as limbs [3, 1, B * N * DI]
+// and a flag [1] (fixed_point/limbs.h).
+LaunchStatus run_indexer_bwd_bound(const IndexerBwdParams& params, cudaStream_t stream, const char** detail);
+LaunchStatus run_indexer_bwd_fixed(const IndexerBwdParams& params, int32_t* limbs, int32_t* flags,
+                                   cudaStream_t stream, const char** detail);
 
 }  // namespace attn_dist

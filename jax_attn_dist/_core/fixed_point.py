@@ -45,7 +45,7 @@ def max_over_shards(words, axes: Tuple[str, ...]):
 
 def add_over_shards(limbs, flags, axes: Tuple[str, ...]):
     """The shards' limbs and flags, added word by word (exact: no overflow)."""
-    return jax.lax.psum((limbs, flags), axes)
+    return jax.lax.psum(limbs, axes), jax.lax.psum(flags, axes)
 
 
 def limbs_to_float(limbs, flags, bound_bits, rows: int):

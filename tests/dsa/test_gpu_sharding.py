@@ -8,7 +8,8 @@ collective. The gradients of ``sum(out * g) + mean(kl)``: the rows' own
 operands (q, index_q, weights) get one GPU's bits; the shared ones (kv,
 index_k) are each shard's partial sums over its rows, all-reduced, so they
 equal one GPU's up to the float32 order of that sum, and nothing is
-gathered; the deterministic mode repeats its bits on the mesh."""
+gathered; in the deterministic mode they are one GPU's bits too (the shards
+share each sum's fixed-point scale and add exact integers)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_gradients_sequence_sharded(deterministic):
     got = sharded(*arrays)
     for name, a, b in zip(OPERANDS, got, want):
         assert float(jnp.abs(b.astype(jnp.float32)).max()) > 0, name
-        if name in SHARED:
+        if name in SHARED and not deterministic:
             rel, mx = oracle.spec_errors(np.asarray(a, np.float32), np.asarray(b, np.float32))
             assert rel <= 4e-3 and mx <= 1e-2, (name, rel, mx)
         else:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from grad_util import assert_grad_close
-from indexer_cases import (Case, bwd_cotangent, check_bwd_case, check_case, make_case_inputs, run_bwd_kernel,
-                           run_kernel, sweep_cases)
+from indexer_cases import (Case, bwd_cotangent, check_bwd_case, check_case, check_sharded_steps, make_case_inputs,
+                           run_bwd_kernel, run_kernel, sweep_cases)
 from inputs import make_indexer_inputs, seed_of
 from jax_attn_dist import indexer_kl, indexer_loss, oracle, synthetic
 from jax_attn_dist.ops.attn_dist import contract as attn_contract
@@ -276,3 +276,11 @@ def test_bwd_ffi_handler_accepts_good_call_and_returns_clear_errors(deterministi
         _raw_bwd_ffi(g_rows=5, deterministic=deterministic)
     with pytest.raises(Exception, match="workspace must be uint8"):
         _raw_bwd_ffi(deterministic=deterministic, workspace=8 if deterministic else 16)
+
+
+
+def test_bwd_deterministic_steps_for_sharded_rows_give_the_one_calls_bits():
+    """The steps an S-sharded deterministic backward takes per shard, run on
+    one GPU with no shard to reduce over, give the one call's bits
+    (indexer_cases.check_sharded_steps)."""
+    check_sharded_steps(seed_of("indexer-gpu-det-steps"))

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from inputs import make_indexer_inputs, seed_of
+from jaxpr_util import reductions
 from jax_attn_dist import indexer_kl, oracle
 from jax_attn_dist.ops.indexer import contract as indexer_contract
 from sharding_util import collectives
@@ -178,3 +179,41 @@ def test_cuda_lowering_of_shard_map_has_a_per_shard_kernel_call(cross_lowering):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = re.findall(rf"stablehlo\.custom_call @{indexer_contract.FWD_FFI_TARGET}\((.*)", text)
     assert len(calls) == 1 and "tensor<1x8x64x128xbf16>" in calls[0], calls
+
+
+def test_cuda_lowering_of_the_row_sharded_deterministic_backward(cross_lowering):
+    """A deterministic backward with B and S sharded (sharded_fixed_point.py),
+    lowered for CUDA per shard over a 2 x 2 mesh: the bound call, a max
+    all-reduce of the bound over B and S, the fixed-point call (scale_rows:
+    B * S of every shard), the limbs summed over S and the flag over B and
+    S, and the conversion of the summed limbs with the same rows."""
+    from jax_attn_dist._core import fixed_point
+    from jax_attn_dist.ops.indexer.sharded_fixed_point import sharded_deterministic_backward
+
+    mesh = mesh_of((2, 2), ("b", "s"))
+    B, S, HI, DI, N, T = 2, 16, 64, 128, 40, 8
+    params = dict(scale=0.5, causal=True, k_stride=1, deterministic=True, implementation=None)
+    spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+    args = (spec(B, S, HI, DI), spec(B, N, DI), spec(B, S, HI, dt=F32), spec(B, S, 1, T, dt=jnp.int32),
+            spec(B, S, T, dt=F32), spec(B, dt=jnp.int32), spec(B, S, 0, dt=jnp.int32), spec(B, S, dt=F32),
+            spec(B, S, dt=F32))
+    rows, keys, batch = P("b", "s"), P("b"), P("b")
+    f = jax.shard_map(
+        lambda *ops: sharded_deterministic_backward(ops, params, bound_axes=("b", "s"), sum_axes=("s",),
+                                                    scale_rows=B * S),
+        mesh=mesh, in_specs=(rows, keys, rows, rows, rows, batch, rows, rows, rows), out_specs=(rows, keys, rows),
+        check_vma=False)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    def calls(target):
+        return re.findall(rf"stablehlo\.custom_call @{target}\((.*)", text)
+
+    (bound,) = calls(indexer_contract.BWD_BOUND_FFI_TARGET)
+    assert "tensor<1x8x64x128xbf16>" in bound and "-> tensor<1xi32>" in bound, bound
+    (fixed,) = calls(indexer_contract.BWD_FIXED_FFI_TARGET)
+    assert f"scale_rows = {B * S} : i64" in fixed and "tensor<3x1x5120xi32>" in fixed, fixed
+    (convert,) = calls(fixed_point.LIMBS_TO_FLOAT_TARGET)
+    assert f"rows = {B * S} : i64" in convert, convert
+    # the bound's max and the flag's sum over B and S, the limbs' sum over S alone (within a batch shard)
+    found = reductions(f, *args)
+    assert found == [("pmax", ("b", "s")), ("psum", ("b", "s")), ("psum", ("s",))], found

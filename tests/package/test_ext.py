@@ -220,6 +220,7 @@ def test_the_built_extension_matches_this_checkout():
     if checkout is not None:
         assert module.build_id() == ext.build_id_of(checkout), "the loaded extension is stale: pip install ."
     production = {attn_contract.FFI_TARGET, indexer_contract.FWD_FFI_TARGET, indexer_contract.BWD_FFI_TARGET,
+                  indexer_contract.BWD_BOUND_FFI_TARGET, indexer_contract.BWD_FIXED_FFI_TARGET,
                   sparse_mla_contract.FFI_TARGET, sparse_mla_contract.BWD_FFI_TARGET,
                   sparse_mla_contract.BWD_BOUND_FFI_TARGET, sparse_mla_contract.BWD_FIXED_FFI_TARGET,
                   fixed_point.LIMBS_TO_FLOAT_TARGET, topk_contract.FFI_TARGET}

@@ -22,7 +22,7 @@ import pytest
 from inputs import require_ffi_targets, seed_of
 from jax_attn_dist import oracle
 from jax_attn_dist.ops.sparse_mla.contract import BWD_FFI_TARGET
-from sparse_mla_cases import check_grads, cotangents, grads, make_sparse_mla_inputs
+from sparse_mla_cases import check_grads, check_sharded_steps, cotangents, grads, make_sparse_mla_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -134,3 +134,11 @@ def test_deterministic_batch_elements_are_independent():
     dq_b, dkv_b = grads(q, kv_bad, idx_bad, kw, dout, dlse, deterministic=True)
     assert np.array_equal(np.asarray(dkv_a[0]).view(np.uint16), np.asarray(dkv_b[0]).view(np.uint16))
     assert np.isnan(np.asarray(dkv_b[1], np.float32)).all()
+
+
+
+def test_deterministic_steps_for_sharded_rows_give_the_one_calls_bits():
+    """The steps a row-sharded deterministic backward takes per shard, run on
+    one GPU with no shard to reduce over, give the one call's bits
+    (sparse_mla_cases.check_sharded_steps)."""
+    check_sharded_steps(seed_of("gpu-bwd-det-steps"))

@@ -232,3 +232,41 @@ def check_bwd_case(case: Case, deterministic=False):
     dead = ~((valid[:, :, 0, :] & (target > 0)).any(axis=-1)) | (g == 0)
     assert np.all(dq[dead] == 0) and np.all(dw[dead] == 0), f"{case.name}: nonzero gradient on a dead row"
     return dq, dw, dk
+
+
+def check_sharded_steps(seed, *, B=2, S=48, HI=64, DI=128, N=700, T=256):
+    """The steps an S-sharded deterministic backward takes per shard
+    (sharded_fixed_point.py: bound call, fixed-point call, limbs, their
+    conversion), run on one GPU with no shard to reduce over: they must give
+    the one call's bits for all three gradients (the same scale for B * S
+    rows, the limbs exact), with adversarial indices and zero-target rows;
+    keys large enough to overflow exp make d index_k NaN in both."""
+    from inputs import make_indexer_inputs, require_ffi_targets
+    from jax_attn_dist._core import fixed_point
+    from jax_attn_dist.ops.indexer.primitive import indexer_kl_bwd_p, indexer_kl_p
+    from jax_attn_dist.ops.indexer.sharded_fixed_point import sharded_deterministic_backward
+
+    require_ffi_targets(indexer_contract.BWD_BOUND_FFI_TARGET, indexer_contract.BWD_FIXED_FFI_TARGET,
+                        fixed_point.LIMBS_TO_FLOAT_TARGET)
+    iq, ik, w, idx, target, kw = make_indexer_inputs(seed, B=B, S=S, HI=HI, DI=DI, N=N, T=T, q_start_index="batch")
+    params = dict(scale=kw["scale"], causal=kw["causal"], k_stride=kw["k_stride"], deterministic=True,
+                  implementation="cuda")
+    q_start = jnp.asarray(kw["q_start_index"], jnp.int32)
+    ranges = jnp.zeros((B, S, 0), jnp.int32)
+    g = jnp.asarray(np.random.default_rng(seed).standard_normal((B, S)).astype(np.float32))
+    _, lse = jax.jit(lambda iq, ik: indexer_kl_p.bind(iq, ik, w, idx, target, q_start, ranges, **params))(iq, ik)
+
+    @jax.jit
+    def both(ik):
+        ops = (iq, ik, w, idx, target, q_start, ranges, lse, g)
+        return indexer_kl_bwd_p.bind(*ops, **params), sharded_deterministic_backward(
+            ops, params, bound_axes=(), sum_axes=(), scale_rows=B * S)
+
+    for case in ("finite", "overflowing keys"):
+        keys = ik if case == "finite" else jnp.asarray(np.asarray(ik, np.float32) * 1e30, jnp.bfloat16)
+        one_call, steps = jax.block_until_ready(both(keys))
+        for x, y in zip(one_call, steps):
+            assert x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes(), case
+        if case == "finite":
+            assert float(jnp.abs(steps[1].astype(jnp.float32)).max()) > 0
+    assert np.isnan(np.asarray(steps[1], np.float32)).all()

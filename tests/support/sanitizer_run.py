@@ -42,7 +42,10 @@ SPEC 9.3's rule. sparse_mla_bwd: the backward's
 kernels (row terms, main, and the deterministic mode's bound and
 conversion) on adversarial indices, rows with no valid slot and partial
 head tiles, both D and both modes, gradients checked against the float64
-oracle. Exits non-zero if a result is wrong.
+oracle. sharded_steps: sparse_mla's and the indexer's deterministic
+backward as a row-sharded call runs it per shard (bound, fixed-point sums
+as limbs, their conversion), against the one call's bits. Exits non-zero if
+a result is wrong.
 """
 
 import functools
@@ -207,6 +210,16 @@ def sparse_mla_bwd_checks():
     return checks
 
 
+def sharded_steps_checks():
+    """The deterministic backwards' per-shard steps for sharded rows (bound,
+    fixed-point sums as limbs, their conversion), on one GPU against the one
+    call's bits: sparse_mla's and the indexer's."""
+    return [Named("sparse_mla_bwd-sharded-steps", lambda: sparse_mla_cases.check_sharded_steps(
+                seed_of("sanitize-mla-steps"), S=8, N=300, T=130)),
+            Named("indexer_bwd-sharded-steps", lambda: indexer_cases.check_sharded_steps(
+                seed_of("sanitize-indexer-steps"), S=8, N=300, T=130))]
+
+
 def indexer_topk_call(topk, iq, ik, w, kw, **packing):
     """indexer_topk on the kernel (jit, q_start_index traced), every row
     checked under SPEC 9.3's rule against the float64 logits."""
@@ -259,6 +272,7 @@ CHECKS = {
     "sparse_mla": (sparse_mla_checks, lambda named: named.fn()),
     "indexer_topk": (indexer_topk_checks, lambda named: named.fn()),
     "sparse_mla_bwd": (sparse_mla_bwd_checks, lambda named: named.fn()),
+    "sharded_steps": (sharded_steps_checks, lambda named: named.fn()),
 }
 
 if __name__ == "__main__":

@@ -169,3 +169,41 @@ def check_kernel_grads(q, kv, idx, kw, *, deterministic=False, seed=0, **packing
     dq, dkv = grads(q, kv, idx, kw, dout, dlse, deterministic=deterministic, **packing)
     check_grads(q, kv, idx, kw, dout, dlse, dq, dkv, **packing)
     return dq, dkv
+
+
+def check_sharded_steps(seed, *, B=2, S=32, H=128, D=576, N=600, T=256):
+    """The steps a row-sharded deterministic backward takes per shard
+    (sharded_fixed_point.py: bound call, fixed-point call, limbs, their
+    conversion), run on one GPU with no shard to reduce over: they must give
+    the one call's dq and dkv bits (the same scale, the limbs exact), with
+    adversarial indices and empty rows; a NaN in one element's kv makes that
+    element's dkv NaN in both and leaves the other's finite."""
+    from inputs import require_ffi_targets
+    from jax_attn_dist._core import fixed_point
+    from jax_attn_dist.ops.sparse_mla.contract import BWD_BOUND_FFI_TARGET, BWD_FIXED_FFI_TARGET
+    from jax_attn_dist.ops.sparse_mla.primitive import sparse_mla_bwd_p, sparse_mla_p
+    from jax_attn_dist.ops.sparse_mla.sharded_fixed_point import sharded_deterministic_backward
+
+    require_ffi_targets(BWD_BOUND_FFI_TARGET, BWD_FIXED_FFI_TARGET, fixed_point.LIMBS_TO_FLOAT_TARGET)
+    q, kv, idx, kw = make_sparse_mla_inputs(seed, B=B, S=S, H=H, D=D, N=N, T=T, q_start_index="batch",
+                                            empty_rows=0.1)
+    dout, dlse = cotangents(seed + 1, q)
+    params = dict(sm_scale=kw["sm_scale"], causal=kw["causal"], k_stride=kw["k_stride"], lse_base=kw["lse_base"],
+                  d_v=kw["d_v"], deterministic=True, implementation="cuda")
+    q_start = jnp.asarray(kw["q_start_index"], jnp.int32)
+    ranges = jnp.zeros((B, S, 0), jnp.int32)
+
+    @jax.jit
+    def both(q, kv):
+        out, lse = sparse_mla_p.bind(q, kv, idx, q_start, ranges, **params)
+        ops = (q, kv, idx, q_start, ranges, out, lse, dout.astype(jnp.bfloat16), dlse)
+        return sparse_mla_bwd_p.bind(*ops, **params), sharded_deterministic_backward(ops, params, axes=(),
+                                                                                     scale_rows=S)
+
+    for case in ("finite", "nan"):
+        kv_case = kv if case == "finite" else kv.at[1, 5, 0, 9].set(jnp.nan)
+        one_call, steps = jax.block_until_ready(both(q, kv_case))
+        for x, y in zip(one_call, steps):
+            assert x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes(), case
+        assert np.isfinite(np.asarray(steps[1][0])).all() and float(jnp.abs(steps[1][0]).max()) > 0, case
+    assert np.isnan(np.asarray(steps[1][1])).all()

@@ -26,6 +26,11 @@ FWD_FFI_TARGET = "jax_attn_dist_indexer_fwd"
 FWD_FFI_TEST_TARGET = "jax_attn_dist_indexer_fwd_into"
 BWD_FFI_TARGET = "jax_attn_dist_indexer_bwd"
 BWD_FFI_TEST_TARGET = "jax_attn_dist_indexer_bwd_into"
+#: The deterministic backward of an S-sharded call, in two kernel calls
+#: around the all-reduces (``sharded_fixed_point.py``): the rows' bound,
+#: then the gradients with the shard's d index_k sums as fixed-point limbs.
+BWD_BOUND_FFI_TARGET = "jax_attn_dist_indexer_bwd_bound"
+BWD_FIXED_FFI_TARGET = "jax_attn_dist_indexer_bwd_fixed"
 
 #: ``weights`` dtypes ``indexer_kl`` accepts (used in float32).
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))

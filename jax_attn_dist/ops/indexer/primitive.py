@@ -117,7 +117,7 @@ def _bwd_out_specs(front):  # d index_q, d index_k, d weights: as their primals
 
 
 ext.declare_ffi_targets(contract.FWD_FFI_TARGET, contract.FWD_FFI_TEST_TARGET, contract.BWD_FFI_TARGET,
-                        contract.BWD_FFI_TEST_TARGET)
+                        contract.BWD_FFI_TEST_TARGET, contract.BWD_BOUND_FFI_TARGET, contract.BWD_FIXED_FFI_TARGET)
 register_platform_lowerings(
     indexer_kl_local_p, who="indexer_kl", check=contract.check_canonical,
     supports=contract.kernel_supports, jnp_impl=_forward_jnp, kernel_impl=_ffi_forward,
