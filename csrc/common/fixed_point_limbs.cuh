@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include <cuda_runtime_api.h>  // __host__, __device__ for the host compiler too
+
 namespace attn_dist {
 
 constexpr int kFixedPointLimbs = 3;
@@ -17,6 +19,9 @@ constexpr int kLimbBits = 21;
 constexpr int64_t kLimbMask = (int64_t(1) << kLimbBits) - 1;
 // (2^21 - 1) * 1024 < 2^31: the most devices whose limbs add without overflow.
 constexpr int kMaxLimbTerms = 1024;
+// The most rows a scale is chosen for (fixed_point_scale's ceil_log2 wants
+// far fewer than 2^62; 2^40 rows is beyond any call).
+constexpr int64_t kMaxScaleRows = int64_t(1) << 40;
 
 __host__ __device__ __forceinline__ void split_limbs(long long sum, int32_t& low, int32_t& mid, int32_t& high) {
   low = int32_t(sum & kLimbMask);

@@ -3,6 +3,7 @@
 #include "ffi.h"
 
 #include "../common/ffi_checks.h"
+#include "../common/fixed_point_limbs.cuh"
 #include "limbs.h"
 
 namespace attn_dist {
@@ -18,7 +19,8 @@ ffi::Error LimbsToFloatImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> limbs, ff
   if (auto e = check.Shape("flags", flags.dimensions(), {G}, "[G]"); e.failure()) return e;
   if (auto e = check.Shape("bound_bits", bound_bits.dimensions(), {G}, "[G]"); e.failure()) return e;
   if (auto e = check.Shape("out", out->dimensions(), {G, M}, "[G, M]"); e.failure()) return e;
-  if (rows < 1) return check.Invalid("rows must be >= 1, got " + std::to_string(rows));
+  if (rows < 1 || rows > kMaxScaleRows)
+    return check.Invalid("rows must be in [1, 2^40], got " + std::to_string(rows));
   if (G > kIntMax) return check.Invalid("G must be at most 2^31 - 1, got " + std::to_string(G));
   const char* detail = "";
   return check.Launched(launch_limbs_to_float(limbs.typed_data(), flags.typed_data(), bound_bits.typed_data(), int(G),

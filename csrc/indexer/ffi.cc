@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "../common/fixed_point_limbs.cuh"
 #include "params.h"
 #include "variants.h"
 
@@ -248,9 +249,9 @@ ffi::Error IndexerBwdFixedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index
   if (auto e = check.Shape("limbs", limbs->dimensions(), {3, 1, dk_elems}, "[3, 1, B * N * DI]"); e.failure())
     return e;
   if (auto e = check.Shape("flags", flags->dimensions(), {1}, "[1]"); e.failure()) return e;
-  if (scale_rows < B * S)
-    return check.Invalid("scale_rows must be at least this shard's rows B * S = " + std::to_string(B * S) + ", got " +
-                         std::to_string(scale_rows));
+  if (scale_rows < B * S || scale_rows > kMaxScaleRows)
+    return check.Invalid("scale_rows must be at least this shard's rows B * S = " + std::to_string(B * S) +
+                         " and at most 2^40, got " + std::to_string(scale_rows));
   const int64_t want_ws = (dk_elems + 1) * int64_t(sizeof(int64_t));
   if (int64_t(workspace->element_count()) != want_ws)
     return check.Invalid("workspace must be uint8 [" + std::to_string(want_ws) + "] (8 * (B * N * DI + 1)), got " +

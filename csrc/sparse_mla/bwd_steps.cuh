@@ -310,8 +310,8 @@ static_assert(kStagedRowBytes * kBlockTopk == int(bwd::kLandingBytes) &&
               "a landing holds one row per key: 16 fixed-point columns a pass");
 
 template <int kFirstGroup, class Acc>
-__device__ __forceinline__ void stage_fixed_rows(char* rows_out, const Acc& acc, int pass, const FixedTerms& fixed,
-                                                 int thread) {
+__device__ __forceinline__ void stage_fixed_rows(char* rows_out, const Acc& acc, const KeyRows& rows, int pass,
+                                                 const FixedTerms& fixed, int thread) {
   const int lane = thread % 32;
   const int g = kFirstGroup + pass;
   CUTE_UNROLL
@@ -320,7 +320,9 @@ __device__ __forceinline__ void stage_fixed_rows(char* rows_out, const Acc& acc,
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {  // columns 2r, 2r + 1, then 8 + 2r, 9 + 2r of the group
       const float x0 = acc(8 * g + 4 * half + 2 * rh), x1 = acc(8 * g + 4 * half + 2 * rh + 1);
-      if (!(fabsf(x0) <= fixed.term_limit && fabsf(x1) <= fixed.term_limit)) flag_non_finite(fixed.flag);
+      // An invalid slot's row is staged but never added: its terms are no terms (as unpaired).
+      if (rows.offset[rh] >= 0 && !(fabsf(x0) <= fixed.term_limit && fabsf(x1) <= fixed.term_limit))
+        flag_non_finite(fixed.flag);
       *reinterpret_cast<longlong2*>(row + (8 * half + 2 * (lane % 4)) * sizeof(long long)) =
           make_longlong2(to_fixed(x0, fixed.two_to_f), to_fixed(x1, fixed.two_to_f));
     }
@@ -333,8 +335,8 @@ template <int kRank>
 __device__ __forceinline__ void bulk_reduce_fixed_row(const SparseMlaBwdParams& p, const char* rows_out,
                                                       int64_t offset, int tile, int pass, int thread, int rh) {
   const int64_t at = offset + tile * kDimTile + kRank * bwd::kPairDimsPerRank + pass * 16;
-  reduce_row_async(p.dkv_fixed + at, reinterpret_cast<const long long*>(rows_out + acc_row(thread, rh) * kStagedRowBytes),
-                   kStagedRowBytes);
+  const char* src = rows_out + acc_row(thread, rh) * kStagedRowBytes;
+  reduce_row_async(p.dkv_fixed + at, reinterpret_cast<const long long*>(src), kStagedRowBytes);
 }
 
 // A landing given back: to the partner for its next half, or after the
@@ -410,7 +412,7 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
       if (pass > 0 && issuer) wait_reductions_read();
       // The landed half (then the previous pass's rows) read by every thread and the copy engine.
       NamedBarrier::sync(kWarpgroupThreads, bwd::kLandingSync + w);
-      stage_fixed_rows<kKeep / 2>(rows_out, acc, pass, fixed, thread);
+      stage_fixed_rows<kKeep / 2>(rows_out, acc, rows, pass, fixed, thread);
       cutlass::arch::fence_view_async_shared();
       NamedBarrier::sync(kWarpgroupThreads, bwd::kLandingSync + w);  // every row written
       if (issuer) {
@@ -420,7 +422,10 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
         commit_reductions();
       }
     }
-    if (issuer) wait_reductions_read();  // the rows have left the landing
+    // The rows have left the landing. (Read completion is all the CTA needs
+    // before it frees the landing or exits: the bulk writes to global
+    // memory complete on their own and are visible after the kernel.)
+    if (issuer) wait_reductions_read();
     // The relaxed free follows the write-back too: the barrier above (and
     // the fence before it) order it before the bulk reads, and each issuing
     // lane's read wait comes before its warp's arrival.

@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include "../common/ffi_checks.h"
+#include "../common/fixed_point_limbs.cuh"
 #include "params.h"
 #include "variants.h"
 
@@ -161,7 +162,8 @@ ffi::Error CheckBwdOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& 
 ffi::Error CheckBwdLaunch(const Checker& check, const RowProblem& r, std::initializer_list<const void*> pointers) {
   if (auto e = CheckLaunchSize(check, r); e.failure()) return e;
   for (const void* ptr : pointers)
-    if (!Aligned16(ptr)) return check.Invalid("q, kv, out, dout, the gradients and the workspace must be 16-byte aligned");
+    if (!Aligned16(ptr))
+      return check.Invalid("q, kv, out, dout, the gradients and the workspace must be 16-byte aligned");
   return ffi::Error::Success();
 }
 
@@ -252,7 +254,8 @@ ffi::Error SparseMlaBwdBoundImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, 
   if (auto e = check.Shape("row_delta", row_delta->dimensions(), {r.B, r.S, r.H}, "[B, S, H]"); e.failure()) return e;
   if (auto e = check.Shape("scale_words", scale_words->dimensions(), {2, r.B}, "[2, B]"); e.failure()) return e;
   // No rows: no bound (and nothing for the later calls to scale).
-  if (row_delta->element_count() == 0) return Zero(check, scale_words->untyped_data(), scale_words->size_bytes(), stream);
+  if (row_delta->element_count() == 0)
+    return Zero(check, scale_words->untyped_data(), scale_words->size_bytes(), stream);
   if (auto e = CheckBwdLaunch(check, r, {q.untyped_data(), kv.untyped_data(), out.untyped_data(), dout.untyped_data()});
       e.failure())
     return e;
@@ -290,9 +293,9 @@ ffi::Error SparseMlaBwdFixedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, 
   if (auto e = check.Shape("limbs", limbs->dimensions(), {3, r.B, r.N, 1, r.D}, "[3, B, N, 1, D]"); e.failure())
     return e;
   if (auto e = check.Shape("flags", flags->dimensions(), {r.B}, "[B]"); e.failure()) return e;
-  if (scale_rows < r.S)
-    return check.Invalid("scale_rows must be at least this shard's rows S = " + std::to_string(r.S) + ", got " +
-                         std::to_string(scale_rows));
+  if (scale_rows < r.S || scale_rows > kMaxScaleRows)
+    return check.Invalid("scale_rows must be at least this shard's rows S = " + std::to_string(r.S) +
+                         " and at most 2^40, got " + std::to_string(scale_rows));
   const BwdFixedWorkspace layout(r);
   if (int64_t(workspace->size_bytes()) < layout.total_bytes)
     return check.Invalid("workspace must hold " + std::to_string(layout.total_bytes) + " bytes, got " +

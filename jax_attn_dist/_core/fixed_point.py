@@ -31,10 +31,18 @@ MAX_SHARDS = 1024
 ext.declare_ffi_targets(LIMBS_TO_FLOAT_TARGET)
 
 
-def check_shard_count(shards: int, who: str) -> None:
+#: The most rows one fixed-point scale is chosen for (the kernels check it too).
+MAX_SCALE_ROWS = 2 ** 40
+
+
+def check_shard_count(shards: int, who: str, rows: int = 1) -> None:
+    """``shards``: the shards whose limbs one all-reduce adds; ``rows``: the
+    rows the common scale is chosen for."""
     if shards > MAX_SHARDS:
         raise ValueError(f"{who}: deterministic=True sums fixed-point limbs over at most {MAX_SHARDS} shards of its "
                          f"rows, got {shards}; shard fewer ways or use deterministic=False")
+    if rows > MAX_SCALE_ROWS:
+        raise ValueError(f"{who}: deterministic=True chooses one fixed-point scale for at most 2^40 rows, got {rows}")
 
 
 def max_over_shards(words, axes: Tuple[str, ...]):

@@ -60,6 +60,19 @@ def local_cuda_backend() -> bool:
         return False
 
 
+def cuda_mesh(mesh) -> bool:
+    """Whether every device of ``mesh`` is a local CUDA device (a ROCm GPU,
+    also platform "gpu", is not)."""
+    devices = getattr(mesh, "devices", None)
+    if devices is None or not devices.size:
+        return False
+    try:
+        cuda = set(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+    return all(d in cuda for d in devices.flat)
+
+
 def kernel_decision(problem, supports: Callable, implementation: Optional[str]) -> Tuple[bool, str]:
     """Whether the CUDA lowering of ``problem`` calls its kernel, and why.
 

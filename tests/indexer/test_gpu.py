@@ -278,7 +278,6 @@ def test_bwd_ffi_handler_accepts_good_call_and_returns_clear_errors(deterministi
         _raw_bwd_ffi(deterministic=deterministic, workspace=8 if deterministic else 16)
 
 
-
 def test_bwd_deterministic_steps_for_sharded_rows_give_the_one_calls_bits():
     """The steps an S-sharded deterministic backward takes per shard, run on
     one GPU with no shard to reduce over, give the one call's bits

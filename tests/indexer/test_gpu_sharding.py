@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from inputs import make_indexer_inputs, seed_of
 from jax_attn_dist import indexer_kl, synthetic
 from jax_attn_dist.ops.indexer.contract import BWD_FFI_TARGET as FFI_INDEXER_BWD
 from jax_attn_dist.ops.indexer.contract import BWD_FIXED_FFI_TARGET as FFI_INDEXER_BWD_FIXED
@@ -69,3 +70,23 @@ def test_indexer_sequence_sharded_over_2_gpus(deterministic):
     if deterministic:
         for a, b in zip(g, g_sharded(*args)):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_indexer_batch_sharded_deterministic_gives_one_gpus_bits():
+    """B over 2 GPUs, deterministic: the one fixed-point scale spans every
+    batch element, so the shards first take the maximum of their bounds
+    (one word) and the gradients are one GPU's bits; d index_k needs no sum
+    over the shards."""
+    iq, ik, w, idx, target, kw = make_indexer_inputs(seed_of("gpu-sharding-batch-det"), B=2, S=256, HI=64, DI=128,
+                                                     N=2048, T=512, q_start_index="batch")
+    f = lambda a, b, c: indexer_kl(a, b, c, idx, target, implementation="cuda", deterministic=True, **kw)  # noqa: E731
+    loss = lambda a, b, c: jnp.sum(f(a, b, c) ** 2)  # noqa: E731
+    batch = NamedSharding(gpu_mesh(2), P("x"))
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(iq, ik, w)
+    sharded = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(batch, batch, batch))
+    got = sharded(iq, ik, w)
+    for a, b in zip(got, want):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert float(jnp.abs(want[1].astype(jnp.float32)).max()) > 0
+    hlo = sharded.lower(iq, ik, w).compile().as_text()
+    assert len(re.findall(rf'custom_call_target="{FFI_INDEXER_BWD_FIXED}"', hlo)) == 1

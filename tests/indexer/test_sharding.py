@@ -217,3 +217,41 @@ def test_cuda_lowering_of_the_row_sharded_deterministic_backward(cross_lowering)
     # the bound's max and the flag's sum over B and S, the limbs' sum over S alone (within a batch shard)
     found = reductions(f, *args)
     assert found == [("pmax", ("b", "s")), ("psum", ("b", "s")), ("psum", ("s",))], found
+
+
+@pytest.mark.parametrize("mesh_shape,q_spec,bound_axes,sum_axes", [
+    (((2, 2), ("b", "s")), P("b", "s"), ("b", "s"), ("s",)),
+    (((2,), ("s",)), P(None, "s"), ("s",), ("s",)),
+    (((2,), ("b",)), P("b"), ("b",), ()),       # B alone: the one scale still spans every batch element
+], ids=["B-S", "S", "B"])
+def test_the_partition_decides_the_sharded_deterministic_steps(monkeypatch, mesh_shape, q_spec, bound_axes,
+                                                               sum_axes):
+    """IndexerBwdDecision.run (the per-shard body of the partitioned
+    backward), the kernel assumed to serve: with deterministic=True and B or
+    S sharded it takes the sharded steps, the bound over B and S shards, the
+    limbs summed over S shards, the scale for B * S rows of all shards; with
+    deterministic=False, the inner primitive."""
+    from jax_attn_dist.ops.indexer import partitioning, sharded_fixed_point
+
+    mesh = mesh_of(*mesh_shape)
+    B, S, HI, DI = 4, 16, 64, 128
+    taken = []
+    monkeypatch.setattr(sharded_fixed_point, "kernel_serves", lambda *a: True)
+    monkeypatch.setattr(sharded_fixed_point, "sharded_deterministic_backward",
+                        lambda ops, params, **kw: taken.append(kw) or "steps")
+    decision = partitioning.IndexerBwdDecision(mesh, [(B, S, HI, DI)], [NamedSharding(mesh, q_spec)])
+    split = lambda axes: int(np.prod([mesh.shape[a] for a in axes])) if axes else 1  # noqa: E731
+    local = jax.ShapeDtypeStruct((B // split(decision.b), S // split(decision.s), HI, DI), jnp.bfloat16)
+    params = dict(scale=1.0, causal=True, k_stride=1, deterministic=True, implementation=None)
+    assert decision.run(lambda *ops: "inner", [local], params) == "steps"
+    assert taken == [dict(bound_axes=bound_axes, sum_axes=sum_axes, scale_rows=B * S)], taken
+    with pytest.raises(InnerBound):
+        decision.run(bind_inner, [local], dict(params, deterministic=False))
+
+
+class InnerBound(Exception):
+    """Raised by bind_inner: the decision bound the inner primitive."""
+
+
+def bind_inner(*operands):
+    raise InnerBound

@@ -350,6 +350,53 @@ def test_cuda_lowering_of_the_row_sharded_deterministic_backward(cross_lowering)
         fixed_point.LIMBS_TO_FLOAT_TARGET)
 
 
+@pytest.mark.host_devices(8)
+@pytest.mark.parametrize("q_spec,axes,rows", [
+    (P(None, "x"), ("x",), 16),                 # S over 2: the rows of both shards
+    (P(None, "x", "y"), ("x", "y"), 16 * 4),    # and H over 4: head shards' terms add
+    (P("x", None, "y"), ("y",), 16 * 4),        # B over 2 (no reduction over it), H over 4
+], ids=["S", "S-H", "B-H"])
+def test_the_partition_decides_the_sharded_deterministic_steps(monkeypatch, q_spec, axes, rows):
+    """SparseMlaBwdDecision.run (the per-shard body of the partitioned
+    backward) on a 2 x 4 host mesh, the kernel assumed to serve: with
+    deterministic=True it takes the sharded steps with the shards' axes and
+    the global row count (S of every shard, times the head shards); with
+    deterministic=False, or nothing summed across shards, the inner
+    primitive."""
+    from jax_attn_dist.ops.sparse_mla import partitioning, sharded_fixed_point
+
+    mesh = mesh_of((2, 4), ("x", "y"))
+    B, S, H, D, N = 2, 16, 8, 576, 40
+    taken = []
+    monkeypatch.setattr(sharded_fixed_point, "kernel_serves", lambda *a: True)
+    monkeypatch.setattr(sharded_fixed_point, "sharded_deterministic_backward",
+                        lambda ops, params, **kw: taken.append(kw) or "steps")
+    shapes = [(B, S, H, D), (B, N, 1, D)]
+    decision = partitioning.SparseMlaBwdDecision(mesh, shapes, [NamedSharding(mesh, q_spec), None])
+    local = SDS((B // mesh_size_of(mesh, decision.b), S // mesh_size_of(mesh, decision.s),
+                 H // mesh_size_of(mesh, decision.h), D), BF16)
+    params = dict(BWD_PARAMS, deterministic=True)
+    assert decision.run(lambda *ops: "inner", [local], params) == "steps"
+    assert taken == [dict(axes=axes, scale_rows=rows)], taken
+    with pytest.raises(InnerBound):
+        decision.run(bind_inner, [local], dict(params, deterministic=False))
+    whole = partitioning.SparseMlaBwdDecision(mesh, shapes, [NamedSharding(mesh, P("x")), None])  # B alone
+    with pytest.raises(InnerBound):
+        whole.run(bind_inner, [local], params)
+
+
+def mesh_size_of(mesh, axes):
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+class InnerBound(Exception):
+    """Raised by bind_inner: the decision bound the inner primitive."""
+
+
+def bind_inner(*operands):
+    raise InnerBound
+
+
 def test_shard_count_limit_of_the_fixed_point_limbs():
     fixed_point.check_shard_count(fixed_point.MAX_SHARDS, "sparse_mla backward")
     with pytest.raises(ValueError, match=r"sparse_mla backward: deterministic=True .* at most 1024 shards"):

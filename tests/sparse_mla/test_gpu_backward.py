@@ -136,7 +136,6 @@ def test_deterministic_batch_elements_are_independent():
     assert np.isnan(np.asarray(dkv_b[1], np.float32)).all()
 
 
-
 def test_deterministic_steps_for_sharded_rows_give_the_one_calls_bits():
     """The steps a row-sharded deterministic backward takes per shard, run on
     one GPU with no shard to reduce over, give the one call's bits

@@ -5,9 +5,9 @@ B and S may be sharded (every op); T and HI are gathered (the per-row
 softmax over T and the sum over heads would otherwise need collectives). The
 backward's ``d index_k`` sums over every row: each S-shard computes the
 partial sum of its rows and ``finish`` ``psum``s it over the S axes. With
-``deterministic`` on the kernel and S sharded, ``run`` instead has the
-shards agree on one fixed-point scale and add their integer sums exactly
-(``sharded_fixed_point.py``): the unsharded call's bits.
+``deterministic`` on the kernel and B or S sharded, ``run`` instead has the
+shards agree on the one fixed-point scale and add their integer sums
+exactly (``sharded_fixed_point.py``): the unsharded call's bits.
 """
 
 from __future__ import annotations
@@ -61,16 +61,16 @@ class IndexerBwdDecision(IndexerDecision):
         return d_index_q, d_index_k, d_weights
 
     def run(self, bind, operands, params):
-        """With ``deterministic`` on the CUDA kernel and S sharded, the shards
-        first agree on the fixed-point scale (every row's bound, B and S
-        shards alike) and then add their exact integer sums
-        (``sharded_fixed_point.py``)."""
-        if not (params["deterministic"] and self.s
+        """With ``deterministic`` on the CUDA kernel and B or S sharded, the
+        shards first agree on the one fixed-point scale (every row's bound,
+        B and S shards alike) and then add their exact integer sums over the
+        S shards (``sharded_fixed_point.py``)."""
+        if not (params["deterministic"] and (self.b or self.s)
                 and sharded_fixed_point.kernel_serves(operands, params, self.mesh)):
             return super().run(bind, operands, params)
-        fixed_point.check_shard_count(mesh_size(self.mesh, self.s), "indexer_kl backward")
         B, S = operands[0].shape[:2]
         rows = B * mesh_size(self.mesh, self.b) * S * mesh_size(self.mesh, self.s)
+        fixed_point.check_shard_count(mesh_size(self.mesh, self.s), "indexer_kl backward", rows)
         return sharded_fixed_point.sharded_deterministic_backward(
             operands, params, bound_axes=self.b + self.s, sum_axes=self.s, scale_rows=rows)
 

@@ -1,5 +1,5 @@
-"""indexer_kl's deterministic backward when its rows (S) are sharded: the
-same bits as the unsharded call.
+"""indexer_kl's deterministic backward when its rows are sharded (over B or
+S): the same bits as the unsharded call.
 
 One call chooses a single fixed-point scale for d index_k from all its rows
 (SPEC §5.3), so a shard alone would pick a scale of its own. Here, per shard
@@ -11,8 +11,9 @@ One call chooses a single fixed-point scale for d index_k from all its rows
    at that scale for ``scale_rows`` (B * S of all shards), as limbs
    [3, 1, B * N * DI] and a flag [1];
 4. ``psum`` of the limbs over the S-shards (exact; a B-shard holds other
-   batch elements' sums) and of the flag over the B- and S-shards, and one
-   kernel back to float32 (``_core/fixed_point.py``).
+   batch elements' sums; none with B alone sharded) and of the flag over
+   the B- and S-shards, and one kernel back to float32
+   (``_core/fixed_point.py``).
 
 The bound, the rows and the integer totals are the unsharded call's, and so
 are the bits.
@@ -26,16 +27,14 @@ import numpy as np
 
 from ..._core import ext
 from ..._core import fixed_point
-from ..._core.primitives import kernel_decision
+from ..._core.primitives import cuda_mesh, kernel_decision
 from . import contract
 
 
 def kernel_serves(operands, params, mesh) -> bool:
     """Whether the per-shard backward runs the CUDA kernel: on a CUDA mesh,
     where the inner primitive's CUDA lowering would pick it."""
-    devices = getattr(mesh, "devices", None)
-    platform = getattr(devices.flat[0], "platform", None) if devices is not None and devices.size else None
-    if platform not in ("gpu", "cuda"):
+    if not cuda_mesh(mesh):
         return False
     problem = contract.check_canonical(*operands[:7])
     use, _ = kernel_decision(

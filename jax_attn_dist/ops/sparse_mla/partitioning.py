@@ -83,10 +83,10 @@ class SparseMlaBwdDecision(SparseMlaDecision):
         if not (params["deterministic"] and partial_axes
                 and sharded_fixed_point.kernel_serves(operands, params, self.mesh)):
             return super().run(bind, operands, params)
-        fixed_point.check_shard_count(mesh_size(self.mesh, partial_axes), "sparse_mla backward")
-        S = operands[0].shape[1] * mesh_size(self.mesh, self.s)
-        return sharded_fixed_point.sharded_deterministic_backward(
-            operands, params, axes=partial_axes, scale_rows=S * mesh_size(self.mesh, self.h))
+        rows = operands[0].shape[1] * mesh_size(self.mesh, self.s) * mesh_size(self.mesh, self.h)
+        fixed_point.check_shard_count(mesh_size(self.mesh, partial_axes), "sparse_mla backward", rows)
+        return sharded_fixed_point.sharded_deterministic_backward(operands, params, axes=partial_axes,
+                                                                  scale_rows=rows)
 
 
 _OPERANDS = (("b", "s", "h", "d"), ("b", "n", "hk", "d"), ("b", "s", "hk", "t"), ("b",), ("b", "s", "r"))

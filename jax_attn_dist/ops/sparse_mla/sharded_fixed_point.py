@@ -29,16 +29,14 @@ import numpy as np
 
 from ..._core import ext
 from ..._core import fixed_point
-from ..._core.primitives import kernel_decision
+from ..._core.primitives import cuda_mesh, kernel_decision
 from . import contract
 
 
 def kernel_serves(operands, params, mesh) -> bool:
     """Whether the per-shard backward runs the CUDA kernel: on a CUDA mesh,
     where the inner primitive's CUDA lowering would pick it."""
-    devices = getattr(mesh, "devices", None)
-    platform = getattr(devices.flat[0], "platform", None) if devices is not None and devices.size else None
-    if platform not in ("gpu", "cuda"):
+    if not cuda_mesh(mesh):
         return False
     problem = contract.check_canonical(*operands[:5])
     use, _ = kernel_decision(problem, lambda pr: contract.bwd_kernel_supports(pr, d_v=params["d_v"]),
