@@ -10,12 +10,12 @@ has no int64 array, so each shard's sums travel as three 21-bit limbs in
 int32 words (``csrc/common/fixed_point_limbs.cuh``): ``psum`` adds them
 without overflow over up to ``MAX_SHARDS`` shards, and one kernel rejoins
 the limbs in int64 and converts them to float32 exactly as the unsharded
-call converts its sums.
+call converts its sums. The bounds travel as float bits in int32 words
+(non-negative: their integer order is the floats'), so ``pmax`` gives every
+shard the same bound.
 """
 
 from __future__ import annotations
-
-from typing import Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,17 +43,6 @@ def check_shard_count(shards: int, who: str, rows: int = 1) -> None:
                          f"rows, got {shards}; shard fewer ways or use deterministic=False")
     if rows > MAX_SCALE_ROWS:
         raise ValueError(f"{who}: deterministic=True chooses one fixed-point scale for at most 2^40 rows, got {rows}")
-
-
-def max_over_shards(words, axes: Tuple[str, ...]):
-    """Scale words (non-negative float bits as int32: their integer order is
-    the floats') maxed over the shards: every shard then picks one scale."""
-    return jax.lax.pmax(words, axes)
-
-
-def add_over_shards(limbs, flags, axes: Tuple[str, ...]):
-    """The shards' limbs and flags, added word by word (exact: no overflow)."""
-    return jax.lax.psum(limbs, axes), jax.lax.psum(flags, axes)
 
 
 def limbs_to_float(limbs, flags, bound_bits, rows: int):

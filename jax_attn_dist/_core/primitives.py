@@ -60,9 +60,11 @@ def local_cuda_backend() -> bool:
         return False
 
 
-def cuda_mesh(mesh) -> bool:
-    """Whether every device of ``mesh`` is a local CUDA device (a ROCm GPU,
-    also platform "gpu", is not)."""
+def kernel_serves_shards(mesh, problem, supports: Callable, implementation: Optional[str]) -> bool:
+    """Whether each shard of a partitioned call on ``mesh`` runs the CUDA
+    kernel: every device of the mesh a local CUDA device (a ROCm GPU, also
+    platform "gpu", is not), and ``kernel_decision`` says so for the
+    shard's ``problem``."""
     devices = getattr(mesh, "devices", None)
     if devices is None or not devices.size:
         return False
@@ -70,7 +72,7 @@ def cuda_mesh(mesh) -> bool:
         cuda = set(jax.devices("cuda"))
     except RuntimeError:
         return False
-    return all(d in cuda for d in devices.flat)
+    return all(d in cuda for d in devices.flat) and kernel_decision(problem, supports, implementation)[0]
 
 
 def kernel_decision(problem, supports: Callable, implementation: Optional[str]) -> Tuple[bool, str]:

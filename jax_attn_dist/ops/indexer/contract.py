@@ -196,6 +196,12 @@ def bwd_kernel_supports(problem: Problem, *, deterministic: bool = False) -> Tup
     return True, "supported"
 
 
+def ffi_attributes(*, scale, causal, k_stride, **unused) -> dict:
+    """The attributes every indexer FFI handler takes, with the C++ handlers'
+    types (csrc/indexer/ffi.cc): scale f32, causal bool, k_stride int32."""
+    return dict(scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride))
+
+
 def bwd_workspace_bytes(index_k_shape, *, deterministic: bool) -> int:
     """The backward kernel's workspace in bytes (csrc/ffi.cc), for canonical
     index_k [B, N, DI]: the int64 fixed-point d index_k sums and one int64 word

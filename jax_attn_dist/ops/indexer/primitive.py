@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..._core import ext
@@ -71,7 +70,7 @@ def _ffi_forward(index_q, index_k, weights, indices, target, q_start, row_ranges
     row = jax.ShapeDtypeStruct(index_q.shape[:2], jnp.float32)
     return jax.ffi.ffi_call(contract.FWD_FFI_TARGET, (row, row))(
         index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, row_ranges,
-        scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),
+        **contract.ffi_attributes(scale=scale, causal=causal, k_stride=k_stride),
     )
 
 
@@ -94,7 +93,7 @@ def _ffi_backward(index_q, index_k, weights, indices, target, q_start, row_range
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),
     ))(index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, lse, g.astype(jnp.float32),
        row_ranges,
-       scale=np.float32(scale), causal=bool(causal), k_stride=np.int32(k_stride),
+       **contract.ffi_attributes(scale=scale, causal=causal, k_stride=k_stride),
        deterministic=bool(deterministic))
     return dq, dk.astype(index_k.dtype), dw.astype(weights.dtype)
 

@@ -27,20 +27,16 @@ import numpy as np
 
 from ..._core import ext
 from ..._core import fixed_point
-from ..._core.primitives import cuda_mesh, kernel_decision
+from ..._core.primitives import kernel_serves_shards
 from . import contract
 
 
 def kernel_serves(operands, params, mesh) -> bool:
-    """Whether the per-shard backward runs the CUDA kernel: on a CUDA mesh,
-    where the inner primitive's CUDA lowering would pick it."""
-    if not cuda_mesh(mesh):
-        return False
-    problem = contract.check_canonical(*operands[:7])
-    use, _ = kernel_decision(
-        problem, lambda pr: contract.bwd_kernel_supports(pr, deterministic=params["deterministic"]),
-        params["implementation"])
-    return use
+    """Whether each shard's backward runs the CUDA kernel (the inner
+    primitive's CUDA lowering would pick it, on a CUDA mesh)."""
+    return kernel_serves_shards(
+        mesh, contract.check_canonical(*operands[:7]),
+        lambda pr: contract.bwd_kernel_supports(pr, deterministic=params["deterministic"]), params["implementation"])
 
 
 def sharded_deterministic_backward(operands, params, *, bound_axes, sum_axes, scale_rows: int):
@@ -52,11 +48,10 @@ def sharded_deterministic_backward(operands, params, *, bound_axes, sum_axes, sc
     B, _, _, _ = index_q.shape
     _, N, DI = index_k.shape
     args = (index_q, index_k, weights.astype(jnp.float32), indices, target, q_start, lse, g.astype(jnp.float32))
-    attrs = dict(scale=np.float32(params["scale"]), causal=bool(params["causal"]),
-                 k_stride=np.int32(params["k_stride"]))
+    attrs = contract.ffi_attributes(**params)
     bound = jax.ffi.ffi_call(contract.BWD_BOUND_FFI_TARGET, jax.ShapeDtypeStruct((1,), jnp.int32))(
         *args, row_ranges, **attrs)
-    bound = fixed_point.max_over_shards(bound, bound_axes)
+    bound = jax.lax.pmax(bound, bound_axes)  # the bound over all rows
     dq, dw, limbs, flags, _ = jax.ffi.ffi_call(contract.BWD_FIXED_FFI_TARGET, (
         jax.ShapeDtypeStruct(index_q.shape, jnp.bfloat16),
         jax.ShapeDtypeStruct(weights.shape, jnp.float32),

@@ -205,6 +205,21 @@ def bwd_workspace_bytes(q_shape, kv_shape, *, deterministic: bool) -> int:
     return size
 
 
+def ffi_attributes(*, sm_scale, causal, k_stride, lse_base, **unused) -> dict:
+    """The attributes every sparse_mla FFI handler takes, with the C++
+    handlers' types (csrc/sparse_mla/ffi.cc): sm_scale f32, causal bool,
+    k_stride int32, lse_base_e bool."""
+    return dict(sm_scale=np.float32(sm_scale), causal=bool(causal), k_stride=np.int32(k_stride),
+                lse_base_e=bool(lse_base == "e"))
+
+
+def bwd_ffi_operands(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse) -> tuple:
+    """The backward handlers' nine operands in the dtypes they take: lse and
+    dlse float32, dout bf16 (the rest are already the kernel's)."""
+    return (q, kv, indices, q_start, row_ranges, out, lse.astype(jnp.float32), dout.astype(jnp.bfloat16),
+            dlse.astype(jnp.float32))
+
+
 def bwd_fixed_workspace_bytes(q_shape, kv_shape) -> int:
     """The sharded deterministic backward's main call's workspace: the
     fixed-point sums (int64 [B, N, D]), then the flag words (uint32 [B]),

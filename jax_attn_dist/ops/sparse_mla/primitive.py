@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..._core import ext
@@ -92,11 +91,7 @@ def _ffi_forward(q, kv, indices, q_start, row_ranges, *, sm_scale, causal, k_str
     out_types = (jax.ShapeDtypeStruct((B, S, H, d_v), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, H), jnp.float32))
     out, lse = jax.ffi.ffi_call(contract.FFI_TARGET, out_types)(
         q, kv, indices, q_start, row_ranges,
-        sm_scale=np.float32(sm_scale),
-        causal=bool(causal),
-        k_stride=np.int32(k_stride),
-        lse_base_e=bool(lse_base == "e"),
-    )
+        **contract.ffi_attributes(sm_scale=sm_scale, causal=causal, k_stride=k_stride, lse_base=lse_base))
     return out, lse
 
 
@@ -118,10 +113,9 @@ def _ffi_backward(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, *, 
         jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
         jax.ShapeDtypeStruct(kv.shape, jnp.float32),
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),
-    ))(q, kv, indices, q_start, row_ranges, out, lse.astype(jnp.float32), dout.astype(jnp.bfloat16),
-       dlse.astype(jnp.float32),
-       sm_scale=np.float32(sm_scale), causal=bool(causal), k_stride=np.int32(k_stride),
-       lse_base_e=bool(lse_base == "e"), deterministic=bool(deterministic))
+    ))(*contract.bwd_ffi_operands(q, kv, indices, q_start, row_ranges, out, lse, dout, dlse),
+       **contract.ffi_attributes(sm_scale=sm_scale, causal=causal, k_stride=k_stride, lse_base=lse_base),
+       deterministic=bool(deterministic))
     return dq, dkv
 
 

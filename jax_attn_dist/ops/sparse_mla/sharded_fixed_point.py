@@ -29,43 +29,38 @@ import numpy as np
 
 from ..._core import ext
 from ..._core import fixed_point
-from ..._core.primitives import cuda_mesh, kernel_decision
+from ..._core.primitives import kernel_serves_shards
 from . import contract
 
 
 def kernel_serves(operands, params, mesh) -> bool:
-    """Whether the per-shard backward runs the CUDA kernel: on a CUDA mesh,
-    where the inner primitive's CUDA lowering would pick it."""
-    if not cuda_mesh(mesh):
-        return False
-    problem = contract.check_canonical(*operands[:5])
-    use, _ = kernel_decision(problem, lambda pr: contract.bwd_kernel_supports(pr, d_v=params["d_v"]),
-                             params["implementation"])
-    return use
+    """Whether each shard's backward runs the CUDA kernel (the inner
+    primitive's CUDA lowering would pick it, on a CUDA mesh)."""
+    return kernel_serves_shards(mesh, contract.check_canonical(*operands[:5]),
+                                lambda pr: contract.bwd_kernel_supports(pr, d_v=params["d_v"]),
+                                params["implementation"])
 
 
 def sharded_deterministic_backward(operands, params, *, axes, scale_rows: int):
     """(dq, dkv float32) of one shard, dkv summed over ``axes`` (the mesh
     axes that shard S and H) at every shard's common scale."""
     ext.ensure_registered()
-    q, kv, indices, q_start, row_ranges, out, lse, dout, dlse = operands
+    q, kv = operands[:2]
     B, S, H, _ = q.shape
     _, N, _, D = kv.shape
-    args = (q, kv, indices, q_start, row_ranges, out, lse.astype(jnp.float32), dout.astype(jnp.bfloat16),
-            dlse.astype(jnp.float32))
-    attrs = dict(sm_scale=np.float32(params["sm_scale"]), causal=bool(params["causal"]),
-                 k_stride=np.int32(params["k_stride"]), lse_base_e=bool(params["lse_base"] == "e"))
+    args = contract.bwd_ffi_operands(*operands)
+    attrs = contract.ffi_attributes(**params)
     row_delta, words = jax.ffi.ffi_call(contract.BWD_BOUND_FFI_TARGET, (
         jax.ShapeDtypeStruct((B, S, H), jnp.float32),
         jax.ShapeDtypeStruct((2, B), jnp.int32),
     ))(*args, **attrs)
-    words = fixed_point.max_over_shards(words, axes)
+    words = jax.lax.pmax(words, axes)  # every shard's max |kv| and bound
     dq, limbs, flags, _ = jax.ffi.ffi_call(contract.BWD_FIXED_FFI_TARGET, (
         jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
         jax.ShapeDtypeStruct((3, B, N, 1, D), jnp.int32),
         jax.ShapeDtypeStruct((B,), jnp.int32),
         jax.ShapeDtypeStruct((contract.bwd_fixed_workspace_bytes(q.shape, kv.shape),), jnp.uint8),
     ))(*args, row_delta, words, scale_rows=np.int64(scale_rows), **attrs)
-    limbs, flags = fixed_point.add_over_shards(limbs, flags, axes)
+    limbs, flags = jax.lax.psum(limbs, axes), jax.lax.psum(flags, axes)  # exact: no word overflows
     dkv = fixed_point.limbs_to_float(limbs.reshape(3, B, N * D), flags, words[1], scale_rows)
     return dq, dkv.reshape(kv.shape)
