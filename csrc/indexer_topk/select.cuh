@@ -61,17 +61,33 @@ __device__ __forceinline__ void write_all_keys(int32_t* out, uint32_t begin, uin
   for (int j = t; j < topk; j += kWarpgroupThreads) out[j] = uint32_t(j) < span ? int32_t(begin + uint32_t(j)) : -1;
 }
 
+// Visits the order keys u[a, e) strided over the warpgroup (thread t: a + t,
+// a + t + 128, ...), kLoadsInFlight loads issued before their uses: f(v, i).
+constexpr int kLoadsInFlight = 4;
+template <class F>
+__device__ __forceinline__ void for_each_key(const uint32_t* u, int a, int e, int t, F&& f) {
+  constexpr int kStride = kWarpgroupThreads;
+  int i = a + t;
+  for (; i + (kLoadsInFlight - 1) * kStride < e; i += kLoadsInFlight * kStride) {
+    uint32_t v[kLoadsInFlight];
+    CUTE_UNROLL
+    for (int r = 0; r < kLoadsInFlight; ++r) v[r] = u[i + r * kStride];
+    CUTE_UNROLL
+    for (int r = 0; r < kLoadsInFlight; ++r) f(v[r], i + r * kStride);
+  }
+  for (; i < e; i += kStride) f(u[i], i);
+}
+
 // Starts the radix state of a row whose order keys u[a, e) are all resident:
 // the common high bits of their minimum and maximum are known at once.
 template <class Plan>
 __device__ __forceinline__ RowSelect start_resident(Plan& plan, const uint32_t* u, int a, int e, int topk, int r,
                                                     int t) {
   uint32_t lo = 0xFFFFFFFFu, hi = 0u;
-  for (int i = a + t; i < e; i += kWarpgroupThreads) {
-    const uint32_t v = u[i];
+  for_each_key(u, a, e, t, [&](uint32_t v, int) {
     lo = min(lo, v);
     hi = max(hi, v);
-  }
+  });
   CUTE_UNROLL
   for (int m = 16; m > 0; m >>= 1) {
     lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, m));
@@ -96,10 +112,9 @@ __device__ __forceinline__ RowSelect start_resident(Plan& plan, const uint32_t* 
 __device__ __forceinline__ void hist_add(uint32_t* hist, const uint32_t* u, int a, int e, const RowSelect& s, int t) {
   const int shift = s.shift();
   const uint32_t mask = (1u << (s.low_bits - shift)) - 1u;
-  for (int i = a + t; i < e; i += kWarpgroupThreads) {
-    const uint32_t v = u[i];
+  for_each_key(u, a, e, t, [&](uint32_t v, int) {
     if (s.matches(v)) atomicAdd(hist + ((v >> shift) & mask), 1u);
-  }
+  });
 }
 
 // After a round's hist_add calls: the digit of the cut, and the histogram
@@ -111,10 +126,13 @@ __device__ __forceinline__ void hist_resolve(Plan& plan, RowSelect& s, int r, in
   const int bins = 1 << (s.low_bits - shift);
   const int per = bins >= kWarpgroupThreads ? bins / kWarpgroupThreads : 1;
   row_sync(r);  // every hist_add landed
-  // Thread t owns the bins t * per .. (t + 1) * per - 1 counted from the top.
+  // Thread t owns the bins t * per .. (t + 1) * per - 1 counted from the top,
+  // and adds them in a rotated order: at 16 bins a thread, a warp's reads in
+  // order would fall on two banks; rotated by t + t / 16 on 32 (integer sums:
+  // the order does not change them).
   uint32_t own = 0;
   for (int k = 0; k < per; ++k) {
-    const int j = t * per + k;
+    const int j = t * per + ((k + t + (t >> 4)) & (per - 1));
     if (j < bins) own += hist[bins - 1 - j];
   }
   const int lane = t % 32, warp = t / 32;
@@ -150,38 +168,60 @@ __device__ __forceinline__ void hist_resolve(Plan& plan, RowSelect& s, int r, in
 }
 
 // Writes the selected keys among u[a, e) (key = key_base + index) to the
-// row's output, in key order after those of earlier calls (cur).
+// row's output, in key order after those of earlier calls (cur). Thread t
+// takes a segment of consecutive keys (an odd length, so that the threads'
+// reads fall on distinct banks): it counts its taken keys, a scan over the
+// warpgroup gives each segment its first position, and a second sweep of the
+// segment writes them. One barrier a call.
 template <class Plan>
 __device__ __forceinline__ void emit_keys(Plan& plan, const uint32_t* u, int a, int e, uint32_t key_base,
                                           const RowSelect& s, EmitCursor& cur, int32_t* out, int topk, int r,
                                           int t) {
   const bool take_prefix = s.need == s.count;  // every key >= prefix; else exact cut with ties
   const int lane = t % 32, warp = t / 32;
-  const uint32_t lanes_below = (1u << lane) - 1u;
-  for (int base = a; base < e; base += kWarpgroupThreads) {
-    const int i = base + t;
-    const bool have = i < e;
-    const uint32_t v = have ? u[i] : 0u;
-    const bool above = have && (take_prefix ? v >= s.prefix : v > s.prefix);
-    const bool equal = have && !take_prefix && v == s.prefix;
-    const uint32_t ballot_above = __ballot_sync(0xffffffffu, above);
-    const uint32_t ballot_equal = __ballot_sync(0xffffffffu, equal);
-    uint32_t(&sums)[4][2] = plan.warp_sums[r][cur.parity];
-    if (lane == 0) sums[warp][0] = __popc(ballot_above), sums[warp][1] = __popc(ballot_equal);
-    row_sync(r);
-    uint32_t above_before = cur.above + __popc(ballot_above & lanes_below);
-    uint32_t equal_before = cur.equal + __popc(ballot_equal & lanes_below);
-    CUTE_UNROLL
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t sa = sums[w][0], se = sums[w][1];
-      if (w < warp) above_before += sa, equal_before += se;
-      cur.above += sa, cur.equal += se;
-    }
+  const int len = ((e - a + kWarpgroupThreads - 1) / kWarpgroupThreads) | 1;
+  const int lo = min(a + t * len, e), hi = min(lo + len, e);
+  auto is_above = [&](uint32_t v) { return take_prefix ? v >= s.prefix : v > s.prefix; };
+  auto is_equal = [&](uint32_t v) { return !take_prefix && v == s.prefix; };
+  // Both counts in one word, above in the high half: a call sees at most
+  // kChunkKeys keys, so neither passes 2^16.
+  static_assert(kChunkKeys < (1 << 16), "a chunk's counts must fit 16 bits");
+  uint32_t own = 0;
+#pragma unroll 4
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t v = u[i];
+    own += (uint32_t(is_above(v)) << 16) | uint32_t(is_equal(v));
+  }
+  uint32_t incl = own;
+  CUTE_UNROLL
+  for (int m = 1; m < 32; m <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, m);
+    if (lane >= m) incl += o;
+  }
+  uint32_t(&sums)[4][2] = plan.warp_sums[r][cur.parity];
+  if (lane == 31) sums[warp][0] = incl;
+  row_sync(r);
+  uint32_t before = incl - own, total = 0;
+  CUTE_UNROLL
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t x = sums[w][0];
+    if (w < warp) before += x;
+    total += x;
+  }
+  uint32_t above_before = cur.above + (before >> 16), equal_before = cur.equal + (before & 0xFFFFu);
+  cur.above += total >> 16;
+  cur.equal += total & 0xFFFFu;
+  cur.parity ^= 1;  // the other buffer next call: one barrier per call suffices
+#pragma unroll 4
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t v = u[i];
+    const bool above = is_above(v), equal = is_equal(v);
     if (above || (equal && equal_before < s.need)) {
       const uint32_t pos = above_before + min(equal_before, s.need);
       if (pos < uint32_t(topk)) out[pos] = int32_t(key_base + uint32_t(i));
     }
-    cur.parity ^= 1;  // the other buffer next: one barrier per tile suffices
+    above_before += above;
+    equal_before += equal;
   }
 }
 
