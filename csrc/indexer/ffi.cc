@@ -63,6 +63,23 @@ ffi::Error CheckIndexerOperands(const Checker& check, const ffi::Buffer<ffi::BF1
   return ffi::Error::Success();
 }
 
+// The operands every backward target checks alike: the forward's, with the
+// backward's head dims and heads, and the forward's lse and the loss
+// cotangent g, both [B, S].
+ffi::Error CheckIndexerBwdOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& index_q,
+                                   const ffi::Buffer<ffi::BF16>& index_k, const ffi::Buffer<ffi::F32>& weights,
+                                   const ffi::Buffer<ffi::S32>& indices, const ffi::Buffer<ffi::F32>& target_dist,
+                                   const ffi::Buffer<ffi::S32>& q_start, const OptionalRanges& row_ranges,
+                                   const ffi::Buffer<ffi::F32>& lse, const ffi::Buffer<ffi::F32>& g, float scale,
+                                   int32_t k_stride, IndexerDims* dims, const int32_t** ranges) {
+  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges, scale,
+                                    k_stride, kIndexerBwdHeadDims, IndexerBwdMaxHeads(), dims, ranges);
+      e.failure())
+    return e;
+  if (auto e = check.Shape("lse", lse.dimensions(), {dims->B, dims->S}, "[B, S]"); e.failure()) return e;
+  return check.Shape("g", g.dimensions(), {dims->B, dims->S}, "[B, S]");
+}
+
 // The problem fields both indexer params structs share.
 void FillIndexerProblem(IndexerProblemParams& p, const IndexerDims& d, const ffi::Buffer<ffi::BF16>& index_q,
                         const ffi::Buffer<ffi::BF16>& index_k, const ffi::Buffer<ffi::F32>& weights,
@@ -127,13 +144,11 @@ ffi::Error IndexerBwdCall(const char* target, cudaStream_t stream, ffi::Buffer<f
   const Checker check{target};
   IndexerDims d{};
   const int32_t* ranges = nullptr;
-  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges, scale,
-                                    k_stride, kIndexerBwdHeadDims, IndexerBwdMaxHeads(), &d, &ranges);
+  if (auto e = CheckIndexerBwdOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges,
+                                       lse, g, scale, k_stride, &d, &ranges);
       e.failure())
     return e;
   const int64_t B = d.B, S = d.S, HI = d.HI, DI = d.DI, N = d.N;
-  if (auto e = check.Shape("lse", lse.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
-  if (auto e = check.Shape("g", g.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
   if (auto e = check.Shape("d_index_q", d_index_q->dimensions(), {B, S, HI, DI}, "[B, S, HI, DI]"); e.failure())
     return e;
   if (auto e = check.Shape("d_weights", d_weights->dimensions(), {B, S, HI}, "[B, S, HI]"); e.failure()) return e;
@@ -198,12 +213,10 @@ ffi::Error IndexerBwdBoundImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index
   const Checker check{kIndexerBwdBoundTarget};
   IndexerDims d{};
   const int32_t* ranges = nullptr;
-  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges, scale,
-                                    k_stride, kIndexerBwdHeadDims, IndexerBwdMaxHeads(), &d, &ranges);
+  if (auto e = CheckIndexerBwdOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges,
+                                       lse, g, scale, k_stride, &d, &ranges);
       e.failure())
     return e;
-  if (auto e = check.Shape("lse", lse.dimensions(), {d.B, d.S}, "[B, S]"); e.failure()) return e;
-  if (auto e = check.Shape("g", g.dimensions(), {d.B, d.S}, "[B, S]"); e.failure()) return e;
   if (auto e = check.Shape("bound", bound->dimensions(), {1}, "[1]"); e.failure()) return e;
   if (cudaMemsetAsync(bound->untyped_data(), 0, bound->size_bytes(), stream) != cudaSuccess)
     return ffi::Error::Internal(std::string(check.target) + ": clearing the bound failed");
@@ -234,13 +247,11 @@ ffi::Error IndexerBwdFixedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index
   const Checker check{kIndexerBwdFixedTarget};
   IndexerDims d{};
   const int32_t* ranges = nullptr;
-  if (auto e = CheckIndexerOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges, scale,
-                                    k_stride, kIndexerBwdHeadDims, IndexerBwdMaxHeads(), &d, &ranges);
+  if (auto e = CheckIndexerBwdOperands(check, index_q, index_k, weights, indices, target_dist, q_start, row_ranges,
+                                       lse, g, scale, k_stride, &d, &ranges);
       e.failure())
     return e;
   const int64_t B = d.B, S = d.S, HI = d.HI, DI = d.DI, N = d.N;
-  if (auto e = check.Shape("lse", lse.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
-  if (auto e = check.Shape("g", g.dimensions(), {B, S}, "[B, S]"); e.failure()) return e;
   if (auto e = check.Shape("bound", bound.dimensions(), {1}, "[1]"); e.failure()) return e;
   if (auto e = check.Shape("d_index_q", d_index_q->dimensions(), {B, S, HI, DI}, "[B, S, HI, DI]"); e.failure())
     return e;

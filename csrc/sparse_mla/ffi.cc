@@ -329,6 +329,22 @@ ffi::Error SparseMlaBwdFixedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, 
 
 }  // namespace
 
+// The operands every backward handler takes first, in this order: the
+// forward's inputs and outputs and the cotangents.
+inline auto SparseMlaBwdOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()  // q
+      .Arg<ffi::Buffer<ffi::BF16>>()  // kv
+      .Arg<ffi::Buffer<ffi::S32>>()   // indices
+      .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+      .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
+      .Arg<ffi::Buffer<ffi::BF16>>()  // out
+      .Arg<ffi::Buffer<ffi::F32>>()   // lse
+      .Arg<ffi::Buffer<ffi::BF16>>()  // dout
+      .Arg<ffi::Buffer<ffi::F32>>();  // dlse
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaFwd, SparseMlaFwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -347,17 +363,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaFwd, SparseMlaFwdImpl,
 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwd, SparseMlaBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // out
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // dout
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // dlse
+                              SparseMlaBwdOperands()
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dkv
                                   .Ret<ffi::Buffer<ffi::U8>>()    // workspace
@@ -369,17 +375,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwd, SparseMlaBwdImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwdBound, SparseMlaBwdBoundImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // out
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // dout
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // dlse
+                              SparseMlaBwdOperands()
                                   .Ret<ffi::Buffer<ffi::F32>>()   // row_delta
                                   .Ret<ffi::Buffer<ffi::S32>>()   // scale_words
                                   .Attr<float>("sm_scale")
@@ -389,17 +385,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwdBound, SparseMlaBwdBoundImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwdFixed, SparseMlaBwdFixedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // out
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // dout
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // dlse
+                              SparseMlaBwdOperands()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // row_delta
                                   .Arg<ffi::Buffer<ffi::S32>>()   // scale_words
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // dq
