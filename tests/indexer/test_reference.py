@@ -1,7 +1,8 @@
 """indexer_kl on the jnp path (any backend) against the float64 oracle
 (SPEC §5): a matrix of head counts, dims, dtypes, batch, causal rule and
 q_start kinds; rows that must be exactly 0; large logits; the chunk loop;
-empty problems; and indexer_loss on attn_dist's target."""
+empty problems; indexer_loss on attn_dist's target, whose sums run in one
+fixed order."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from inputs import INT32_MAX, INT32_MIN, make_indexer_inputs, seed_of
 from jax_attn_dist import attn_dist, indexer_kl, indexer_kl_reference, indexer_loss, oracle, synthetic
 from jax_attn_dist._core import checks
-from jax_attn_dist.ops.indexer.reference import indexer_reference_canonical
+from jax_attn_dist.ops.indexer.reference import indexer_reference_canonical, sum_in_fixed_order, target_from_dist
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -139,10 +140,9 @@ def test_indexer_loss_equals_indexer_kl_on_the_hand_made_target(lse_base, B):
     kw = p.kwargs
     # eagerly: op by op, the same float32 arithmetic on both sides
     got = indexer_loss(p.q, p.k, p.lse, *ix.arrays, p.indices, scale=0.7, **kw)
-    dist = attn_dist(*p.arrays, **kw)
-    mass = dist.sum(axis=-3)
-    total = mass.sum(-1, keepdims=True)
-    target = jnp.where(total > 0, mass / jnp.where(total > 0, total, 1), 0.0)
+    dist = attn_dist(*p.arrays, **kw)  # [B?, G, S, T]: the target's sums in their fixed order
+    target = target_from_dist(dist if B is not None else dist[None])
+    target = target if B is not None else target[0]
     want = indexer_kl(*ix.arrays, p.indices, target, scale=0.7, causal=kw["causal"],
                       q_start_index=kw["q_start_index"], k_stride=kw["k_stride"])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
@@ -157,3 +157,36 @@ def test_indexer_loss_equals_indexer_kl_on_the_hand_made_target(lse_base, B):
     gq, gk, gl = jax.jit(jax.grad(lambda q, k, l: indexer_loss(q, k, l, *ix.arrays, p.indices, **kw).sum(),
                                   argnums=(0, 1, 2)))(p.q, p.k, p.lse)
     assert all(np.all(np.asarray(x, np.float32) == 0) for x in (gq, gk, gl))
+
+
+def _halving_sum(x):
+    """The order that sum_in_fixed_order promises, in float32 NumPy: the last
+    axis zero-padded to a power of two, its halves added until one is left."""
+    x = np.asarray(x, np.float32)
+    width = 1 << max(x.shape[-1] - 1, 0).bit_length()
+    x = np.concatenate([x, np.zeros(x.shape[:-1] + (width - x.shape[-1],), np.float32)], axis=-1)
+    while x.shape[-1] > 1:
+        x = x[..., : x.shape[-1] // 2] + x[..., x.shape[-1] // 2:]
+    return x[..., 0]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 64, 513, 2048])
+def test_target_sums_run_in_one_order_whatever_the_rows(n):
+    # Terms over 12 binades: a different order of the adds changes the bits.
+    rng = np.random.default_rng(n)
+    dist = (rng.random((2, 3, 40, n)) * np.exp2(rng.integers(-12, 0, (2, 3, 40, n)))).astype(np.float32)
+    dist[0, :, 5] = 0.0  # a row with no mass: target 0
+    for axis in (1, -1):
+        want = _halving_sum(np.moveaxis(dist, axis, -1))
+        got = np.asarray(jax.jit(lambda x: sum_in_fixed_order(x, axis))(jnp.asarray(dist)))
+        assert got.tobytes() == want.tobytes()
+    # A row's target is the same bits when computed alone or among others
+    # (as on one shard of a row-sharded program).
+    whole = np.asarray(jax.jit(target_from_dist)(jnp.asarray(dist)))
+    part = np.asarray(jax.jit(target_from_dist)(jnp.asarray(dist[:, :, 17:23])))
+    assert part.tobytes() == whole[:, 17:23].tobytes()
+    mass = _halving_sum(np.moveaxis(dist, 1, -1))
+    total = _halving_sum(mass)[..., None]
+    want = np.where(total > 0, mass / np.where(total > 0, total, 1), 0)
+    np.testing.assert_allclose(whole, want, rtol=1e-6, atol=0)  # XLA may divide by a reciprocal
+    assert not whole[0, 5].any()

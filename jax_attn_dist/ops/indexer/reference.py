@@ -41,12 +41,30 @@ def indexer_logits(index_q, index_k, weights, indices, q_start, row_ranges, star
     return logits, scores.valid[:, 0], z, w, scores
 
 
+def sum_in_fixed_order(x, axis: int):
+    """``x.sum(axis)`` as a fixed tree of elementwise adds: the axis,
+    zero-padded to a power of two, halved by adding its two halves until one
+    element is left. XLA sums a reduce in an order of its choosing, made per
+    program (it differs between a one-GPU program and the same program with
+    its rows sharded, and may differ between compilations); elementwise adds
+    it keeps as written, so these bits depend on neither."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
 def target_from_dist(dist):
     """SPEC §5.4's target from attn_dist's canonical ``[B, G, S, T]``: the
     groups summed, each row L1-normalised over its slots (0 where its mass is
     0), under ``stop_gradient`` (the main attention is not trained by it)."""
-    mass = dist.sum(axis=1)                                                                # [B, S, T]
-    total = mass.sum(axis=-1, keepdims=True)
+    mass = sum_in_fixed_order(dist, axis=1)                                                # [B, S, T]
+    total = sum_in_fixed_order(mass, axis=-1)[..., None]
     return jax.lax.stop_gradient(jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), 0.0))
 
 
