@@ -1,6 +1,7 @@
 """indexer_kl with the CUDA kernels, S sharded over 2 GPUs: the forward is
 bit-identical to one GPU's and the gradients equal one GPU's, with the
-shards' partial d index_k all-reduced. Skipped unless there are at least 2
+shards' partial d index_k all-reduced; indexer_loss (attn_dist's target,
+its sums in one fixed order) is one GPU's bits too. Skipped unless there are at least 2
 CUDA GPUs and the compiled extension is registered (see conftest.py)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from inputs import make_indexer_inputs, seed_of
-from jax_attn_dist import indexer_kl, synthetic
+from jax_attn_dist import indexer_kl, indexer_loss, synthetic
 from jax_attn_dist.ops.indexer.contract import BWD_FFI_TARGET as FFI_INDEXER_BWD
 from jax_attn_dist.ops.indexer.contract import BWD_FIXED_FFI_TARGET as FFI_INDEXER_BWD_FIXED
 from jax_attn_dist.ops.indexer.contract import FWD_FFI_TARGET as FFI_INDEXER_FWD
@@ -70,6 +71,25 @@ def test_indexer_sequence_sharded_over_2_gpus(deterministic):
     if deterministic:
         for a, b in zip(g, g_sharded(*args)):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_indexer_loss_sequence_sharded_gives_one_gpus_bits():
+    """indexer_loss with S over 2 GPUs: each shard runs attn_dist, the
+    target's two sums (in SPEC 5.4's fixed order, not an order XLA picks per
+    program) and indexer_kl on its own rows, so the loss is one GPU's bits
+    and needs no collective."""
+    prob = mixed_synthetic_problem(6, S=S, N=N, H=H, T=T, D=D, lse_base="e")
+    ix = synthetic.make_indexer(prob, HI=64, DI=128, seed=6)
+    kw = dict(prob.kwargs, implementation="cuda")
+    f = lambda q, k, lse, a, b, c, idx: indexer_loss(q, k, lse, a, b, c, idx, **kw)  # noqa: E731
+    args = (prob.q, prob.k, prob.lse, *ix.arrays, prob.indices)
+    mesh = gpu_mesh(2)
+    row, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    sharded = jax.jit(f, in_shardings=(row, rep, row, row, rep, row, row), out_shardings=row)
+    want, got = jax.jit(f)(*args), sharded(*args)
+    assert float(jnp.abs(want).max()) > 0
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    assert not collectives(sharded.lower(*args).compile().as_text())
 
 
 def test_indexer_batch_sharded_deterministic_gives_one_gpus_bits():

@@ -134,7 +134,7 @@ def test_empty_problems():
 
 
 @pytest.mark.parametrize("lse_base,B", [("2", None), ("e", 2)])
-def test_indexer_loss_equals_indexer_kl_on_the_hand_made_target(lse_base, B):
+def test_indexer_loss_equals_indexer_kl_on_attn_dists_target(lse_base, B):
     p = synthetic.make_problem(S=12, N=30, H=70, T=8, D=32, B=B, lse_base=lse_base, seed=4)
     ix = synthetic.make_indexer(p, HI=8, DI=16, seed=4)
     kw = p.kwargs
@@ -190,3 +190,11 @@ def test_target_sums_run_in_one_order_whatever_the_rows(n):
     want = np.where(total > 0, mass / np.where(total > 0, total, 1), 0)
     np.testing.assert_allclose(whole, want, rtol=1e-6, atol=0)  # XLA may divide by a reciprocal
     assert not whole[0, 5].any()
+
+
+def test_fixed_order_sum_takes_float32_and_float64_only():
+    x = jnp.arange(6.0, dtype=jnp.float64 if jax.config.jax_enable_x64 else jnp.float32).reshape(2, 3)
+    assert np.asarray(sum_in_fixed_order(x, -1)).tolist() == [3.0, 12.0]
+    for dtype in (jnp.bfloat16, jnp.int32, jnp.bool_):
+        with pytest.raises(TypeError, match="float32 or float64"):
+            sum_in_fixed_order(jnp.ones((2, 3), dtype), 0)

@@ -42,21 +42,27 @@ def indexer_logits(index_q, index_k, weights, indices, q_start, row_ranges, star
 
 
 def sum_in_fixed_order(x, axis: int):
-    """``x.sum(axis)`` as a fixed tree of elementwise adds: the axis,
-    zero-padded to a power of two, halved by adding its two halves until one
-    element is left. XLA sums a reduce in an order of its choosing, made per
-    program (it differs between a one-GPU program and the same program with
-    its rows sharded, and may differ between compilations); elementwise adds
-    it keeps as written, so these bits depend on neither."""
-    x = jnp.moveaxis(x, axis, -1)
-    n = x.shape[-1]
+    """``x.sum(axis)`` of a float32 or float64 array as a fixed tree of
+    elementwise adds: the axis, zero-padded to a power of two, halved by
+    adding its upper half to its lower half until one element is left. XLA
+    sums a reduce in an order of its choosing, made per program (it differs
+    between a one-GPU program and the same program with its rows sharded,
+    and may differ between compilations); elementwise adds it keeps as
+    written, so these bits depend on neither."""
+    if x.dtype not in (jnp.float32, jnp.float64):
+        raise TypeError(f"sum_in_fixed_order sums float32 or float64, got {x.dtype}")
+    axis = axis % x.ndim
+    n = x.shape[axis]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, width - n)
+        x = jnp.pad(x, pad)
+    while x.shape[axis] > 1:
+        half = x.shape[axis] // 2
+        x = (jax.lax.slice_in_dim(x, 0, half, axis=axis) +
+             jax.lax.slice_in_dim(x, half, 2 * half, axis=axis))
+    return jax.lax.squeeze(x, (axis,))
 
 
 def target_from_dist(dist):
