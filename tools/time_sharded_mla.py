@@ -2,11 +2,12 @@
 T 2048) on one GPU and with S sharded over two, float32 and deterministic,
 timed as benchmarks/bench.py times a row (the median of samples of
 back-to-back calls, two input sets); checks that the sharded deterministic
-kv gradient has the one-GPU call's bits.
+q and kv gradients have the one-GPU call's bits (exit status 1 if not).
 
     python3 tools/time_sharded_mla.py OUT.json     (a machine with 2 SM90 GPUs)
 """
 import json
+import subprocess
 import sys
 
 import jax
@@ -29,7 +30,7 @@ def main(path):
            jnp.asarray(rng.standard_normal((S, H)).astype(np.float32)))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
     rows, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
-    out, dkv = {}, {}
+    out, grads = {}, {}
     for det in (False, True):
         kw = dict(sets[0][1], deterministic=det)
 
@@ -50,17 +51,23 @@ def main(path):
                 f_fwd = jax.jit(fwd, in_shardings=sh, out_shardings=(rows, rows))
                 args = [tuple(jax.device_put(x, s) for x, s in zip(a + cot, sh)) for a, _, _ in sets]
             key = f"{'det' if det else 'f32'}-{where}"
-            dkv[key] = np.asarray(jax.block_until_ready(f_both(*args[0]))[1], np.float32)
+            grads[key] = [np.asarray(g) for g in jax.block_until_ready(f_both(*args[0]))]
             t_both = time_calls(f_both, args, calls=10, samples=15)
             t_fwd = time_calls(f_fwd, args, calls=10, samples=15)
             out[key] = dict(fwd_bwd_ms=t_both * 1e3, fwd_ms=t_fwd * 1e3, bwd_ms=(t_both - t_fwd) * 1e3)
             print(key, {k: round(v, 3) for k, v in out[key].items()}, flush=True)
-    same = dkv["det-one"].tobytes() == dkv["det-sharded"].tobytes()
-    print("deterministic sharded dkv == one GPU's bits:", same)
-    out.update(det_bits_equal=same, devices=[d.device_kind for d in jax.devices()[:2]], jax=jax.__version__)
+    equal = {f"det_{name}_bits_equal": a.tobytes() == b.tobytes()
+             for name, a, b in zip(("dq", "dkv"), grads["det-one"], grads["det-sharded"])}
+    print("deterministic, sharded against one GPU:", equal)
+    same = all(equal.values())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out.update(equal, devices=[d.device_kind for d in jax.devices()[:2]], jax=jax.__version__,
+               commit=commit or "unknown")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
+        f.write("\n")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main(sys.argv[1]))
