@@ -31,6 +31,15 @@ namespace indexer_topk {
 constexpr int kRows = 2;                     // query rows per CTA (= consumer warpgroups)
 constexpr int kConsumers = kRows;
 constexpr int kThreads = (kConsumers + 1) * kWarpgroupThreads;
+// setmaxnreg budgets within the launch allocation (65536 / 384 = 170, so 168
+// a thread): each consumer holds two 64 x 128 float accumulators (128
+// registers) and its weights (32); the producer issues TMA from one thread.
+constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 40;
+static_assert(kConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kWarpgroupThreads <=
+                  kLaunchRegs * kThreads,
+              "setmaxnreg budgets exceed the CTA's register allocation");
 constexpr int kBlockKeys = 64;               // keys per WGMMA block (the M of the WGMMA)
 // Keys whose logits a row holds in shared memory at once (a chunk). A row
 // pair whose keys span more runs several passes over its chunks (kernel.cuh).

@@ -24,6 +24,7 @@
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include "../common/cta.cuh"
 #include "../common/host.h"
@@ -184,26 +185,33 @@ __device__ __forceinline__ void weighted_head_sums(const Acc& acc, const ColumnW
   }
 }
 
-// The logits of one block: the WGMMA over the stage, the stage released, then
-// each (key, row) sum reduced over its quad and stored by one lane.
-template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
-                                             const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
-                                             Acc& acc, const ColumnWeights<Cfg>& weights, int j, uint32_t key0,
-                                             int slot, int t) {
-  const int warp = t / 32, lane = t % 32, quad = lane % 4;
-  const int stage = j % Cfg::kStages;
-  // This thread's two keys (accumulator rows 16w + l/4 + 8rh); their scales
-  // are loaded before the wait.
+// A block's keys' index_k_scale (times scale) and signs, for this thread's
+// two keys (accumulator rows 16w + l/4 + 8rh), loaded ahead of their use.
+struct KeyScales {
   float ks[2];
   bool negative[2];
+};
+__device__ __forceinline__ KeyScales load_key_scales(const IndexerTopkParams& p, const CtaProblem& c, uint32_t key0,
+                                                     int t) {
+  const int warp = t / 32, lane = t % 32;
+  KeyScales k;
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
     const uint32_t key = key0 + uint32_t(16 * warp + lane / 4 + 8 * rh);
     const float v = key < uint32_t(p.s_kv) ? __ldg(p.index_k_scale + int64_t(c.batch) * p.s_kv + key) : 0.f;
-    negative[rh] = v < 0.f;
-    ks[rh] = v * p.scale;
+    k.negative[rh] = v < 0.f;
+    k.ks[rh] = v * p.scale;
   }
+  return k;
+}
+
+// Issues block j's WGMMA chain over its stage into acc, once the stage has
+// landed (not committed: the caller commits, so that every iteration commits
+// one group, empty or not).
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void issue_block(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
+                                            const FragB& tB, Acc& acc, int j) {
+  const int stage = j % Cfg::kStages;
   cutlass::arch::ClusterTransactionBarrier::wait(&plan.full[stage], uint32_t((j / Cfg::kStages) & 1));
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
@@ -216,19 +224,27 @@ __device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& pla
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
   }
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[stage]);
+}
+
+// The logits of block j, whose WGMMAs have completed into acc: the stage
+// released, then each (key, row) sum reduced over its quad and stored by one
+// lane.
+template <class Cfg, class Acc>
+__device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
+                                             const ColumnWeights<Cfg>& weights, const KeyScales& k, int j, int slot,
+                                             int t) {
+  const int warp = t / 32, lane = t % 32, quad = lane % 4;
+  if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[j % Cfg::kStages]);
 
   // part[row][rh]: the thread's columns of each (query row, key) sum. A warp
   // whose keys all have index_k_scale >= 0 (the usual case) takes max(z, 0)
   // alone; otherwise each element picks max or min by its key's sign.
   float part[kRows][2];
-  if (__all_sync(0xffffffffu, !(negative[0] || negative[1])))
-    weighted_head_sums<Cfg, false>(acc, weights, negative, part);
+  if (__all_sync(0xffffffffu, !(k.negative[0] || k.negative[1])))
+    weighted_head_sums<Cfg, false>(acc, weights, k.negative, part);
   else
-    weighted_head_sums<Cfg, true>(acc, weights, negative, part);
+    weighted_head_sums<Cfg, true>(acc, weights, k.negative, part);
   // Quad reduction with a transpose: after it lane q holds (row q / 2, rh q % 2).
   const bool upper = quad & 2, odd_lane = quad & 1;
   float keep[2], send[2];
@@ -243,7 +259,64 @@ __device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& pla
   sum += __shfl_xor_sync(0xffffffffu, odd_lane ? keep[0] : keep[1], 1);
   const int row = quad >> 1, rh = quad & 1;
   const int m = 16 * warp + lane / 4 + 8 * rh;
-  plan.logits[row][slot * kBlockKeys + m] = order_key(sum * (rh ? ks[1] : ks[0]));
+  plan.logits[row][slot * kBlockKeys + m] = order_key(sum * (rh ? k.ks[1] : k.ks[0]));
+}
+
+// One step of a warpgroup's block loop, two accumulators deep: block blk's
+// WGMMAs are in flight in cur; the warpgroup's next block (blk + 2) is
+// issued into next before blk's epilogue, so that its WGMMAs and its stage's
+// wait run under that epilogue.
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                           const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
+                                           Acc& cur, Acc& next, const ColumnWeights<Cfg>& weights, int j0, int ch,
+                                           int blk, int t) {
+  const KeyScales k = load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), t);
+  issue_block<Cfg>(plan, mma, tA, tB, next, j0 + blk + kConsumers);
+  warpgroup_commit_batch();
+  warpgroup_wait<1>();  // blk's group has completed
+  warpgroup_fence_operand(cur);
+  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t);
+}
+
+// The warpgroup's last block of a chunk: nothing behind it.
+template <class Cfg, class Acc>
+__device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                           const CtaProblem& c, Acc& cur, const ColumnWeights<Cfg>& weights, int j0,
+                                           int ch, int blk, int t) {
+  const KeyScales k = load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), t);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(cur);
+  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t);
+}
+
+// A warpgroup's blocks of chunk ch (block j0 + blk is this warpgroup's
+// where it is wg modulo 2: config.h, the stages' owners). The block in flight
+// alternates between acc0 and acc1; the loop is unrolled by two so that each
+// is named statically.
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                             const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
+                                             Acc& acc0, Acc& acc1, const ColumnWeights<Cfg>& weights, int j0, int ch,
+                                             int wg, int t) {
+  const int blocks = c.chunk_blocks(ch);
+  int blk = (wg + j0) & 1;
+  if (blk >= blocks) return;
+  issue_block<Cfg>(plan, mma, tA, tB, acc0, j0 + blk);
+  warpgroup_commit_batch();
+  bool in_acc0 = true;
+  for (;;) {
+    if (blk + kConsumers >= blocks) break;
+    block_step<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, blk, t);
+    blk += kConsumers;
+    in_acc0 = false;
+    if (blk + kConsumers >= blocks) break;
+    block_step<Cfg>(plan, p, c, mma, tA, tB, acc1, acc0, weights, j0, ch, blk, t);
+    blk += kConsumers;
+    in_acc0 = true;
+  }
+  if (in_acc0) block_last<Cfg>(plan, p, c, acc0, weights, j0, ch, blk, t);
+  else block_last<Cfg>(plan, p, c, acc1, weights, j0, ch, blk, t);
 }
 
 template <class Cfg>
@@ -262,25 +335,19 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
   Tensor sK = make_tensor(make_smem_ptr(plan.k), typename Cfg::SmemLayoutK{});  // (64, 64, stages x dim tiles)
   Tensor tA = thr_mma.partition_fragment_A(sK);
   Tensor tB = thr_mma.partition_fragment_B(sQ);
-  Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockKeys>, Int<Cfg::kMmaN>>{});
+  // Two accumulators: a block's WGMMAs run under the previous block's epilogue.
+  Tensor acc0 = partition_fragment_C(mma, Shape<Int<kBlockKeys>, Int<Cfg::kMmaN>>{});
+  Tensor acc1 = partition_fragment_C(mma, Shape<Int<kBlockKeys>, Int<Cfg::kMmaN>>{});
   ColumnWeights<Cfg> weights;
   weights.load(p, c, lane);
   cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready, 0);
 
   int j0 = 0;  // blocks of earlier chunks and passes (both warpgroups count alike)
-  auto gemm_chunk = [&](int ch) {
-    const int blocks = c.chunk_blocks(ch);
-    // Block j0 + blk is this warpgroup's where it is wg modulo 2 (config.h: the stages' owners).
-    for (int blk = (wg + j0) & 1; blk < blocks; blk += kConsumers)
-      block_logits<Cfg>(plan, p, c, mma, tA, tB, acc, weights, j0 + blk,
-                        c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), blk, t);
-    j0 += blocks;
-    consumers_sync();  // both rows' logits of the chunk stored
-  };
   const uint32_t* u = plan.logits[wg];
 
   if (c.num_chunks == 1) {
-    gemm_chunk(0);
+    chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, 0, wg, t);
+    consumers_sync();  // both rows' logits stored
     if (!me.select) return;
     const int a = int(me.begin - c.begin), e = a + int(me.span);
     RowSelect s = start_resident(plan, u, a, e, p.topk, wg, t);
@@ -300,7 +367,9 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
   bool emits = false;
   for (;;) {
     for (int ch = 0; ch < c.num_chunks; ++ch) {
-      gemm_chunk(ch);
+      chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, wg, t);
+      j0 += c.chunk_blocks(ch);  // blocks of earlier chunks and passes (both warpgroups count alike)
+      consumers_sync();          // both rows' logits of the chunk stored
       const uint32_t cb = c.chunk_begin(ch), ce = cb + uint32_t(c.chunk_keys(ch));
       const uint32_t lo = max(me.begin, cb), hi = min(me.begin + me.span, ce);
       if (me.select && lo < hi && (emits || !s.done())) {
@@ -343,8 +412,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = int(threadIdx.x) / kWarpgroupThreads;
   const int t = int(threadIdx.x) % kWarpgroupThreads;
   if (wg == kConsumers) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (t < 32) produce<Cfg>(plan, tma, cta, t);
   } else {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     consume<Cfg>(plan, params, cta, wg, t);
   }
 #elif defined(__CUDA_ARCH__)
