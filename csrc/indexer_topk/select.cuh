@@ -107,14 +107,65 @@ __device__ __forceinline__ RowSelect start_resident(Plan& plan, const uint32_t* 
   return s;
 }
 
+// *p += v in shared memory, with no branch around it. (An increment by the
+// constant 1 under a condition, atomicAdd(p, 1) or a predicated red, compiles
+// to a warp-aggregated increment inside a convergence region per key, which
+// made each histogram pass several times slower than a plain pass.)
+__device__ __forceinline__ void shared_add(uint32_t* p, uint32_t v) {
+  asm volatile("red.shared.add.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(v));
+}
+
+// *p = v in global memory where pred holds: a predicated store, no branch.
+__device__ __forceinline__ void global_store_if(int32_t* p, int32_t v, bool pred) {
+  asm volatile(
+      "{\n"
+      " .reg .pred q;\n"
+      " setp.ne.b32 q, %2, 0;\n"
+      " @q st.global.b32 [%0], %1;\n"
+      "}\n" ::"l"(p),
+      "r"(v), "r"(int(pred))
+      : "memory");
+}
+
 // Adds the order keys u[a, e) that match the prefix to the row's histogram
-// of the next digit.
+// of the next digit. Every lane runs the same number of iterations, so that a
+// warp whose keys of an iteration all miss the prefix (most of them, past
+// the first round) skips the additions by a vote; where one lane matches,
+// every lane adds (0 where it misses).
 __device__ __forceinline__ void hist_add(uint32_t* hist, const uint32_t* u, int a, int e, const RowSelect& s, int t) {
   const int shift = s.shift();
   const uint32_t mask = (1u << (s.low_bits - shift)) - 1u;
-  for_each_key(u, a, e, t, [&](uint32_t v, int) {
-    if (s.matches(v)) atomicAdd(hist + ((v >> shift) & mask), 1u);
-  });
+  constexpr int kStride = kWarpgroupThreads;
+  for (int i = a + t - t % 32; i < e; i += kLoadsInFlight * kStride) {  // warp-uniform bound
+    uint32_t v[kLoadsInFlight];
+    bool in[kLoadsInFlight];
+    CUTE_UNROLL
+    for (int r = 0; r < kLoadsInFlight; ++r) {
+      const int k = i + t % 32 + r * kStride;
+      in[r] = k < e;
+      v[r] = in[r] ? u[k] : 0u;
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kLoadsInFlight; ++r) {
+      const bool m = in[r] && s.matches(v[r]);
+      if (__any_sync(0xffffffffu, m)) shared_add(hist + ((v[r] >> shift) & mask), uint32_t(m));
+    }
+  }
+}
+
+// Visits u[lo, hi), a thread's segment of consecutive keys, in order, four
+// loads issued before their uses: f(v, i).
+template <class F>
+__device__ __forceinline__ void for_each_segment_key(const uint32_t* u, int lo, int hi, F&& f) {
+  int i = lo;
+  for (; i + kLoadsInFlight <= hi; i += kLoadsInFlight) {
+    uint32_t v[kLoadsInFlight];
+    CUTE_UNROLL
+    for (int r = 0; r < kLoadsInFlight; ++r) v[r] = u[i + r];
+    CUTE_UNROLL
+    for (int r = 0; r < kLoadsInFlight; ++r) f(v[r], i + r);
+  }
+  for (; i < hi; ++i) f(u[i], i);
 }
 
 // After a round's hist_add calls: the digit of the cut, and the histogram
@@ -187,11 +238,7 @@ __device__ __forceinline__ void emit_keys(Plan& plan, const uint32_t* u, int a, 
   // kChunkKeys keys, so neither passes 2^16.
   static_assert(kChunkKeys < (1 << 16), "a chunk's counts must fit 16 bits");
   uint32_t own = 0;
-#pragma unroll 4
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t v = u[i];
-    own += (uint32_t(is_above(v)) << 16) | uint32_t(is_equal(v));
-  }
+  for_each_segment_key(u, lo, hi, [&](uint32_t v, int) { own += (uint32_t(is_above(v)) << 16) | uint32_t(is_equal(v)); });
   uint32_t incl = own;
   CUTE_UNROLL
   for (int m = 1; m < 32; m <<= 1) {
@@ -212,17 +259,14 @@ __device__ __forceinline__ void emit_keys(Plan& plan, const uint32_t* u, int a, 
   cur.above += total >> 16;
   cur.equal += total & 0xFFFFu;
   cur.parity ^= 1;  // the other buffer next call: one barrier per call suffices
-#pragma unroll 4
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t v = u[i];
+  for_each_segment_key(u, lo, hi, [&](uint32_t v, int i) {
     const bool above = is_above(v), equal = is_equal(v);
-    if (above || (equal && equal_before < s.need)) {
-      const uint32_t pos = above_before + min(equal_before, s.need);
-      if (pos < uint32_t(topk)) out[pos] = int32_t(key_base + uint32_t(i));
-    }
+    const uint32_t pos = above_before + min(equal_before, s.need);
+    const bool take = (above | (equal & (equal_before < s.need))) & (pos < uint32_t(topk));
+    global_store_if(out + pos, int32_t(key_base + uint32_t(i)), take);
     above_before += above;
     equal_before += equal;
-  }
+  });
 }
 
 }  // namespace indexer_topk
