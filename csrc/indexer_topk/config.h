@@ -26,8 +26,9 @@ namespace indexer_topk {
 
 // Two consumer warpgroups and one producer warpgroup, one CTA per SM. The
 // consumers take the key blocks of a chunk alternately (block j: warpgroup
-// j % 2), so that one's epilogue overlaps the other's WGMMAs; afterwards
-// consumer warpgroup r selects row r's keys.
+// j % 2), so that one's epilogue overlaps the other's WGMMAs, and each holds
+// two blocks' accumulators (its next block's WGMMAs run under its current
+// block's epilogue); afterwards consumer warpgroup r selects row r's keys.
 constexpr int kRows = 2;                     // query rows per CTA (= consumer warpgroups)
 constexpr int kConsumers = kRows;
 constexpr int kThreads = (kConsumers + 1) * kWarpgroupThreads;

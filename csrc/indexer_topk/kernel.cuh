@@ -5,8 +5,10 @@
 //   WG0, WG1  consumers. They take a chunk's key blocks alternately: a
 //             64 keys x (2 rows x 64 heads) x DI WGMMA, then per key and row
 //             sum_h weights * relu(z * index_k_scale), scaled, stored as an
-//             order key in the row's shared-memory array. Then WG r selects
-//             row r's keys (select.cuh) and writes them.
+//             order key in the row's shared-memory array. Each runs two
+//             accumulators deep: its next block's WGMMAs are issued before
+//             the current block's epilogue. Then WG r selects row r's keys
+//             (select.cuh) and writes them.
 //   WG2       producer: one thread loads index_q by TMA once and streams the
 //             key blocks (dense [64, DI] TMA tiles) through the stage ring.
 // A row whose valid keys number at most topk needs no logits: its keys are
@@ -206,8 +208,8 @@ __device__ __forceinline__ KeyScales load_key_scales(const IndexerTopkParams& p,
 }
 
 // Issues block j's WGMMA chain over its stage into acc, once the stage has
-// landed (not committed: the caller commits, so that every iteration commits
-// one group, empty or not).
+// landed (not committed: the caller commits one group per issued block,
+// which its wait counts rely on).
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void issue_block(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
                                             const FragB& tB, Acc& acc, int j) {

@@ -62,20 +62,26 @@ __device__ __forceinline__ void write_all_keys(int32_t* out, uint32_t begin, uin
 }
 
 // Visits the order keys u[a, e) strided over the warpgroup (thread t: a + t,
-// a + t + 128, ...), kLoadsInFlight loads issued before their uses: f(v, i).
+// a + t + 128, ...), kLoadsInFlight loads issued before their uses: f(v, in),
+// where a lane past e gets in = false (and v = 0). Every lane of a warp runs
+// the same steps, so that f may vote across the warp.
 constexpr int kLoadsInFlight = 4;
 template <class F>
 __device__ __forceinline__ void for_each_key(const uint32_t* u, int a, int e, int t, F&& f) {
   constexpr int kStride = kWarpgroupThreads;
-  int i = a + t;
-  for (; i + (kLoadsInFlight - 1) * kStride < e; i += kLoadsInFlight * kStride) {
+  const int lane = t % 32;
+  for (int i = a + t - lane; i < e; i += kLoadsInFlight * kStride) {  // warp-uniform bound
     uint32_t v[kLoadsInFlight];
+    bool in[kLoadsInFlight];
     CUTE_UNROLL
-    for (int r = 0; r < kLoadsInFlight; ++r) v[r] = u[i + r * kStride];
+    for (int r = 0; r < kLoadsInFlight; ++r) {
+      const int k = i + lane + r * kStride;
+      in[r] = k < e;
+      v[r] = in[r] ? u[k] : 0u;
+    }
     CUTE_UNROLL
-    for (int r = 0; r < kLoadsInFlight; ++r) f(v[r], i + r * kStride);
+    for (int r = 0; r < kLoadsInFlight; ++r) f(v[r], in[r]);
   }
-  for (; i < e; i += kStride) f(u[i], i);
 }
 
 // Starts the radix state of a row whose order keys u[a, e) are all resident:
@@ -84,9 +90,8 @@ template <class Plan>
 __device__ __forceinline__ RowSelect start_resident(Plan& plan, const uint32_t* u, int a, int e, int topk, int r,
                                                     int t) {
   uint32_t lo = 0xFFFFFFFFu, hi = 0u;
-  for_each_key(u, a, e, t, [&](uint32_t v, int) {
-    lo = min(lo, v);
-    hi = max(hi, v);
+  for_each_key(u, a, e, t, [&](uint32_t v, bool in) {
+    if (in) lo = min(lo, v), hi = max(hi, v);
   });
   CUTE_UNROLL
   for (int m = 16; m > 0; m >>= 1) {
@@ -112,7 +117,8 @@ __device__ __forceinline__ RowSelect start_resident(Plan& plan, const uint32_t* 
 // to a warp-aggregated increment inside a convergence region per key, which
 // made each histogram pass several times slower than a plain pass.)
 __device__ __forceinline__ void shared_add(uint32_t* p, uint32_t v) {
-  asm volatile("red.shared.add.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(v));
+  asm volatile("red.shared.add.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(v)
+               : "memory");
 }
 
 // *p = v in global memory where pred holds: a predicated store, no branch.
@@ -122,35 +128,22 @@ __device__ __forceinline__ void global_store_if(int32_t* p, int32_t v, bool pred
       " .reg .pred q;\n"
       " setp.ne.b32 q, %2, 0;\n"
       " @q st.global.b32 [%0], %1;\n"
-      "}\n" ::"l"(p),
+      "}\n" ::"l"(static_cast<uint64_t>(__cvta_generic_to_global(p))),
       "r"(v), "r"(int(pred))
       : "memory");
 }
 
 // Adds the order keys u[a, e) that match the prefix to the row's histogram
-// of the next digit. Every lane runs the same number of iterations, so that a
-// warp whose keys of an iteration all miss the prefix (most of them, past
-// the first round) skips the additions by a vote; where one lane matches,
-// every lane adds (0 where it misses).
+// of the next digit. A warp whose keys of a step all miss the prefix (most
+// of them, past the first round) skips the additions by a vote; where one
+// lane matches, every lane adds (0 where it misses).
 __device__ __forceinline__ void hist_add(uint32_t* hist, const uint32_t* u, int a, int e, const RowSelect& s, int t) {
   const int shift = s.shift();
   const uint32_t mask = (1u << (s.low_bits - shift)) - 1u;
-  constexpr int kStride = kWarpgroupThreads;
-  for (int i = a + t - t % 32; i < e; i += kLoadsInFlight * kStride) {  // warp-uniform bound
-    uint32_t v[kLoadsInFlight];
-    bool in[kLoadsInFlight];
-    CUTE_UNROLL
-    for (int r = 0; r < kLoadsInFlight; ++r) {
-      const int k = i + t % 32 + r * kStride;
-      in[r] = k < e;
-      v[r] = in[r] ? u[k] : 0u;
-    }
-    CUTE_UNROLL
-    for (int r = 0; r < kLoadsInFlight; ++r) {
-      const bool m = in[r] && s.matches(v[r]);
-      if (__any_sync(0xffffffffu, m)) shared_add(hist + ((v[r] >> shift) & mask), uint32_t(m));
-    }
-  }
+  for_each_key(u, a, e, t, [&](uint32_t v, bool in) {
+    const bool m = in && s.matches(v);
+    if (__any_sync(0xffffffffu, m)) shared_add(hist + ((v >> shift) & mask), uint32_t(m));
+  });
 }
 
 // Visits u[lo, hi), a thread's segment of consecutive keys, in order, four
