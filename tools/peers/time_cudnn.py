@@ -788,7 +788,7 @@ def main(argv=None) -> int:
     RES["shapes"] = {
         "idx-v32": {"S": args.S, "N": args.N, "HI": args.HI, "DI": args.DI, "topk": args.topk,
                     "causal": True, "q_start_index": args.N - args.S},
-        "mla-v32": {"S": args.S, "N": args.N, "H": [128, 64], "T": args.T, "D": args.D, "d_v": args.d_v,
+        "mla-v32": {"S": args.S, "N": args.N, "H": list(args.heads), "T": args.T, "D": args.D, "d_v": args.d_v,
                     "sm_scale": args.D ** -0.5},
     }
     RES["notes"] = {
