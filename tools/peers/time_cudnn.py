@@ -237,7 +237,7 @@ def fmt(t):
     return s + ")"
 
 
-# graph timings to run at the end: name -> (fn, keepalive)
+# graph timings to run at the end: name -> the call (its closure keeps its tensors alive)
 GRAPH_JOBS: dict = {}
 
 
@@ -382,14 +382,12 @@ def step_indexer(args, fp8: bool):
     t = time_cuda(run_both, warmup=args.warmup, rounds=args.rounds, iters=args.iters)
     r["both"] = t
     log(f"{key} logits + top-k back to back: {fmt(t)}")
-    GRAPH_JOBS[key + ".logits"] = (run_logits, None)
-    GRAPH_JOBS[key + ".topk"] = (run_topk, None)
-    GRAPH_JOBS[key + ".both"] = (run_both, None)
-    KEEP[key] = (iq, ik, wq, offs, logits, seq_lens, ws, idx, extra)
+    GRAPH_JOBS[key + ".logits"] = run_logits
+    GRAPH_JOBS[key + ".topk"] = run_topk
+    GRAPH_JOBS[key + ".both"] = run_both
 
 
 TOPK_PLANS: dict = {}
-KEEP: dict = {}
 
 
 # ----------------------------------------------------------------------------
@@ -560,8 +558,7 @@ def step_bwd(args, H):
         except Exception:  # noqa: BLE001
             r["check_error"] = traceback.format_exc()
             traceback.print_exc()
-    GRAPH_JOBS[key] = (run, None)
-    KEEP[key] = (q, dout, out, lse, sink, ws, dq, dkv, d_sink, plan)
+    GRAPH_JOBS[key] = run
 
 
 # ----------------------------------------------------------------------------
@@ -711,7 +708,7 @@ def step_graphs(args):
     g = RES["cudnn"].setdefault("cuda_graph", {
         "note": f"the same calls captured once in a CUDA graph of {args.iters} calls; replayed "
                 f"{args.rounds} times between CUDA events; median ms per call"})
-    for name, (fn, _) in list(GRAPH_JOBS.items()):
+    for name, fn in list(GRAPH_JOBS.items()):
         log(f"graph {name}: capture + time")
         try:
             t = time_graph(fn, warmup=1, rounds=args.rounds, iters=args.iters)
