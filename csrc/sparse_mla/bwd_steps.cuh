@@ -199,8 +199,8 @@ __device__ __forceinline__ void red_add_f32x4(float* dst, const float4& v) {
 // 8 + 2r and 9 + 2r of a row in a group, stored at 4r .. 4r + 3, so its four
 // values are one 16-byte vector and a quad's four vectors 64 contiguous bytes
 // of the row. In column order a quad's pairs covered 32 bytes, and the L2 saw
-// one request per 32-byte sector (ncu). (Swapping vectors between quads to
-// fill 128-byte lines measured slower: the shuffles cost more than they saved.)
+// one request per 32-byte sector (ncu). (Quads swapping a vector per line so
+// that each warp instruction adds whole 128-byte lines measured the same.)
 __device__ __forceinline__ int accumulator_order_column(int group, int lane) { return 16 * group + 4 * (lane % 4); }
 
 template <class Acc>
