@@ -35,15 +35,13 @@ constexpr int kProducerThreads = kProducerWarpgroups * kWarpgroupThreads;
 constexpr int kThreads = kNumConsumers * kWarpgroupThreads + kProducerThreads;
 constexpr int kCtasPerSm = 1;       // Q and the two rings take the SM's shared memory
 
-// setmaxnreg moves registers between warpgroups within the CTA's launch
-// allocation (__launch_bounds__(512, kCtasPerSm): 128 per thread, 65536 in all), so the
-// budgets must fit in it, or the consumers' allocation waits forever.
-// (ptxas -v: no spills at these counts, HT = 64, 96 and 128.)
-constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;  // 128
+// setmaxnreg budgets within the launch allocation (__launch_bounds__(512,
+// kCtasPerSm): 128 a thread). (ptxas -v: no spills at these counts, HT = 64,
+// 96 and 128.)
 constexpr int kConsumerRegs = 168;
 constexpr int kProducerRegs = 88;
-static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kProducerThreads <=
-                  kLaunchRegs * kThreads,
+static_assert(register_budgets_fit(kThreads, kCtasPerSm, kNumConsumers * kWarpgroupThreads, kConsumerRegs,
+                                   kProducerThreads, kProducerRegs),
               "setmaxnreg budgets exceed the CTA's register allocation");
 
 // D: head dim (512 or 576). HT: heads per CTA (64, 96 or 128).

@@ -29,6 +29,19 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kSmemAlign = 1024;        // SW128 atoms repeat every 8 rows x 128 B
 constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90 opt-in limit per block
 
+// setmaxnreg moves registers between a CTA's warpgroups within its launch
+// allocation, 65536 / (threads x CTAs per SM) a thread in units of 8. The
+// warpgroups' budgets must fit in it, or an increase waits forever for
+// registers that no warpgroup gives back.
+constexpr int launch_registers_per_thread(int threads, int ctas_per_sm) {
+  return 65536 / (threads * ctas_per_sm) / 8 * 8;
+}
+constexpr bool register_budgets_fit(int threads, int ctas_per_sm, int consumer_threads, int consumer_regs,
+                                    int producer_threads, int producer_regs) {
+  return consumer_threads * consumer_regs + producer_threads * producer_regs <=
+         launch_registers_per_thread(threads, ctas_per_sm) * threads;
+}
+
 // kProducerThreads: the threads that feed the rings, split evenly between them.
 template <int kStages_, int kConsumers_, int kProducerThreads = kWarpgroupThreads>
 struct GatherRing {

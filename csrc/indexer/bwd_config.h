@@ -77,7 +77,9 @@ struct BwdConfig {
   static constexpr int kCtasPerSm = 2;
   static constexpr int kProducerRegs = HT == 64 ? 32 : 40;
   static constexpr int kConsumerRegs = HT == 64 ? 224 : 216;
-  static_assert(kCtasPerSm * kWarpgroupThreads * (kProducerRegs + kConsumerRegs) <= 64 * 1024, "registers");
+  static_assert(register_budgets_fit(kThreads, kCtasPerSm, kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
+                                     kProducerRegs),
+                "setmaxnreg budgets exceed the CTA's register allocation");
   static constexpr int kSmemBudget = smem_budget(kCtasPerSm);
   static constexpr int kMiscBytes = 2048;  // barriers, weights, keys, the reductions' scratch (rounded up)
   static constexpr int kDzBytes = HT * kBlockTopk * int(sizeof(bf16));

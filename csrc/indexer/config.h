@@ -77,7 +77,9 @@ struct Config {
   // thread at launch).
   static constexpr int kProducerRegs = kCtasPerSm == 4 ? 40 : 0;
   static constexpr int kConsumerRegs = kCtasPerSm == 4 ? 88 : 0;
-  static_assert(kCtasPerSm * kWarpgroupThreads * (kProducerRegs + kConsumerRegs) <= 64 * 1024, "registers");
+  static_assert(register_budgets_fit(kThreads, kCtasPerSm, kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
+                                     kProducerRegs),
+                "setmaxnreg budgets exceed the CTA's register allocation");
   static constexpr int kSmemBudget = smem_budget(kCtasPerSm);
   static constexpr int kMiscBytes = 1024;  // barriers, weights' tail, the reduction scratch (rounded up)
   static constexpr int kStages =

@@ -35,11 +35,10 @@ constexpr int kThreads = (kConsumers + 1) * kWarpgroupThreads;
 // setmaxnreg budgets within the launch allocation (65536 / 384 = 170, so 168
 // a thread): each consumer holds two 64 x 128 float accumulators (128
 // registers) and its weights (32); the producer issues TMA from one thread.
-constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
 constexpr int kConsumerRegs = 232;
 constexpr int kProducerRegs = 40;
-static_assert(kConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kWarpgroupThreads <=
-                  kLaunchRegs * kThreads,
+static_assert(register_budgets_fit(kThreads, 1, kConsumers * kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
+                                   kProducerRegs),
               "setmaxnreg budgets exceed the CTA's register allocation");
 constexpr int kBlockKeys = 64;               // keys per WGMMA block (the M of the WGMMA)
 // Keys whose logits a row holds in shared memory at once (a chunk). A row

@@ -62,11 +62,10 @@ constexpr int kDqValueDims = kDqTilesPerConsumer * kDimTile;  // 256: the N of a
 // setmaxnreg budgets within the launch allocation (65536 / 384 = 170, so 168
 // a thread): WG0 holds a 64 x 320 float dQ (160 registers) beside a 64 x 64
 // accumulator. An increase past the launch allocation would wait forever.
-constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
 constexpr int kConsumerRegs = 224;
 constexpr int kProducerRegs = 56;
-static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kWarpgroupThreads <=
-                  kLaunchRegs * kThreads,
+static_assert(register_budgets_fit(kThreads, 1, kNumConsumers * kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
+                                   kProducerRegs),
               "setmaxnreg budgets exceed the CTA's register allocation");
 
 // The landings of a head-tile pair's dKV halves: warpgroup w's in ring stage

@@ -39,11 +39,10 @@ constexpr int kVTilesPerConsumer = kDvPerConsumer / kDimTile;
 // setmaxnreg budgets within the launch allocation (65536 / 384 = 170 a
 // thread): the consumers hold a 64x256 f32 output half (128 registers) and
 // a 64x64 score block (32).
-constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
 constexpr int kConsumerRegs = 216;
 constexpr int kProducerRegs = 72;
-static_assert(kNumConsumers * kConsumerRegs * kWarpgroupThreads + kProducerRegs * kWarpgroupThreads <=
-                  kLaunchRegs * kThreads,
+static_assert(register_budgets_fit(kThreads, 1, kNumConsumers * kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
+                                   kProducerRegs),
               "setmaxnreg budgets exceed the CTA's register allocation");
 
 // Named barriers between the two consumers (ids above CUTLASS's reserved ones).
