@@ -30,7 +30,8 @@ constexpr int kSmemAlign = 1024;        // SW128 atoms repeat every 8 rows x 128
 constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90 opt-in limit per block
 
 // setmaxnreg moves registers between a CTA's warpgroups within its launch
-// allocation, 65536 / (threads x CTAs per SM) a thread in units of 8. The
+// allocation, 65536 / (threads x CTAs per SM) a thread rounded down to a
+// multiple of 8 (the allocation unit). The
 // warpgroups' budgets must fit in it, or an increase waits forever for
 // registers that no warpgroup gives back.
 constexpr int launch_registers_per_thread(int threads, int ctas_per_sm) {

@@ -41,7 +41,7 @@ constexpr int kVTilesPerConsumer = kDvPerConsumer / kDimTile;
 // a 64x64 score block (32).
 constexpr int kConsumerRegs = 216;
 constexpr int kProducerRegs = 72;
-static_assert(register_budgets_fit(kThreads, 1, kNumConsumers * kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
+static_assert(register_budgets_fit(kThreads, kCtasPerSm, kNumConsumers * kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
                                    kProducerRegs),
               "setmaxnreg budgets exceed the CTA's register allocation");
 
