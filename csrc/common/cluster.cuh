@@ -31,6 +31,15 @@ __device__ __forceinline__ void store_async_cluster_f32x4(uint32_t addr, float a
                : "memory");
 }
 
+// The same for four 32-bit words (here pairs of bf16).
+__device__ __forceinline__ void store_async_cluster_b32x4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
+                                                          uint32_t d, uint32_t barrier) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                   addr),
+               "r"(a), "r"(b), "r"(c), "r"(d), "r"(barrier)
+               : "memory");
+}
+
 // `count` arrivals on an mbarrier of another CTA (its cluster address) that
 // order nothing: for signals that only say "your data was read", given after
 // the reads' values are in registers.

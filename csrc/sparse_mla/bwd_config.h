@@ -24,10 +24,12 @@
 // the two tiles of each pair as a 2-CTA cluster that reduces every dKV tile
 // once. Each dKV tile is split by columns: rank r reduces columns
 // [32r, 32r + 32) of it. Warpgroup w of each rank sends the other half of its
-// 64 x 64 float partial into the partner's landing for warpgroup w (ring
-// stage 6 + w, which no WGMMA reads between the block's dQ and the next
-// gather) by st.async, which completes on the partner's recv_full[w]; it adds
-// the partner's half of its own columns and reduces them. Both ranks' warps
+// 64 x 64 float partial, rounded to bf16, into the partner's landing for
+// warpgroup w (ring stage 6 + w, which no WGMMA reads between the block's dQ
+// and the next gather) by st.async, which completes on the partner's
+// recv_full[w]; it adds the partner's half of its own columns and reduces
+// them. (The exchange is bound by its bytes through the cluster's
+// shared-memory network: in float32 as many as the L2 reductions it saves.) Both ranks' warps
 // do the same work. Float32: the landing is freed as soon as it is read,
 // before the vector atomics from registers. Deterministic: the merged half's
 // fixed-point terms go back into the landing, a 128-byte row of 16 columns
@@ -79,8 +81,11 @@ constexpr int kPairDimsPerRank = kDimTile / 2;
 // each, after each merged tile but the block's last the partner's warpgroup's
 // 4 warps twice.
 constexpr uint32_t kSendFreeArrivals = 8;
-// A half tile completes recv_full as st.async transactions; the receiving
-// warpgroup's thread 0 arms it (one arrival) with the bytes expected.
+// A half tile (64 x 32, as bf16 pairs) completes recv_full as st.async
+// transactions; the receiving warpgroup's thread 0 arms it (one arrival) with
+// the bytes expected. The landing is a whole ring stage: the deterministic
+// mode stages 64 rows of 128 bytes there afterwards.
+constexpr uint32_t kLandedBytes = 64 * kPairDimsPerRank * 2;
 constexpr uint32_t kLandingBytes = 64 * kPairDimsPerRank * sizeof(float);
 constexpr uint32_t kRecvFullArrivals = 1;
 
@@ -184,7 +189,7 @@ struct BwdConfig {
     uint64_t send_free[bwd::kNumConsumers];
     uint64_t recv_full[bwd::kNumConsumers];
   };
-  static_assert(bwd::kLandingBytes == Ring::kStageBytes, "a landing (a ring stage) holds one 64 x 32 float half tile");
+  static_assert(bwd::kLandingBytes == Ring::kStageBytes, "a landing (a ring stage) holds 64 x 32 floats");
   static_assert(bwd::kLandingStage >= bwd::kDqTilesPerConsumer && bwd::kLandingStage + bwd::kLandingStages == bwd::kValueTiles,
                 "the landing is the last value stages, which only WG1's dQ reads after the scores");
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment

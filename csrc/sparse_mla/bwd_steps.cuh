@@ -188,6 +188,12 @@ struct FixedTerms {
   unsigned* flag = nullptr;
 };
 
+// Two floats as a bf16 pair (round to nearest even), the first in the low half.
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 __device__ __forceinline__ void red_add_f32x4(float* dst, const float4& v) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
                : "memory");
@@ -281,9 +287,10 @@ __device__ __forceinline__ void release_dq_stages(typename Cfg::SharedMemoryPlan
       release_stage<typename Cfg::Ring>(plan.ring, 0, stage, lane);
 }
 
-// Warpgroup w's landing: float4 i of thread t (the accumulator elements of
-// its i-th column group of the half) at float4 i * 128 + t, so that a warp's
-// accesses fill whole bank rows. Both CTAs' threads hold the same elements of a tile.
+// Warpgroup w's landing: 16-byte word i of thread t (its accumulator
+// elements of column groups 2i and 2i + 1 of the half, as bf16 pairs) at
+// word i * 128 + t, so that a warp's accesses fill whole bank rows. Both
+// CTAs' threads hold the same elements of a tile.
 template <class Cfg>
 __device__ __forceinline__ float4* landing_of_thread(typename Cfg::SharedMemoryPlan& plan, int warpgroup,
                                                      int thread) {
@@ -354,8 +361,8 @@ __device__ __forceinline__ void free_landing(typename Cfg::SharedMemoryPlan& pla
 
 // A pair's merge of a waited dKV tile, rank kRank's side: the partner's column
 // half of this warpgroup's partial goes into the partner's landing (st.async,
-// once the partner has freed it); the partner's partial of this rank's half
-// is awaited and added. Float32: the landing freed first, then the vector
+// once the partner has freed it), as bf16; the partner's partial of this
+// rank's half is awaited, widened and added. Float32: the landing freed first, then the vector
 // atomics, whose issue can stall on L2; deterministic: the fixed-point sums
 // written back into the landing and bulk-reduced from there, the landing
 // freed once they are read. (Freed for the partner's next half, or, after
@@ -372,22 +379,31 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
   role.send_phase ^= 1u;
   const uint32_t dst = cluster_address(landing_of_thread<Cfg>(plan, w, thread), role.partner);
   const uint32_t full = cluster_address(&plan.recv_full[w], role.partner);
+  // The half travels as bf16 pairs: the exchange is bound by its bytes
+  // through the cluster's shared-memory network (as many as the L2
+  // reductions it saves, in float32).
   CUTE_UNROLL
-  for (int i = 0; i < kGroups; ++i) {
+  for (int i = 0; i < kGroups; i += 2) {
     const int j = kSend + i;
-    store_async_cluster_f32x4(dst + uint32_t(i * kWarpgroupThreads) * 16u, acc(4 * j), acc(4 * j + 1),
-                              acc(4 * j + 2), acc(4 * j + 3), full);
+    store_async_cluster_b32x4(dst + uint32_t(i / 2 * kWarpgroupThreads) * 16u, bf16x2_bits(acc(4 * j), acc(4 * j + 1)),
+                              bf16x2_bits(acc(4 * j + 2), acc(4 * j + 3)), bf16x2_bits(acc(4 * j + 4), acc(4 * j + 5)),
+                              bf16x2_bits(acc(4 * j + 6), acc(4 * j + 7)), full);
   }
   if (thread == 0)
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full[w], bwd::kLandingBytes);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full[w], bwd::kLandedBytes);
   wait_cluster(&plan.recv_full[w], role.recv_phase);
   role.recv_phase ^= 1u;
-  const float4* landed = landing_of_thread<Cfg>(plan, w, thread);
+  const uint4* landed = reinterpret_cast<const uint4*>(landing_of_thread<Cfg>(plan, w, thread));
   CUTE_UNROLL
-  for (int i = 0; i < kGroups; ++i) {
+  for (int i = 0; i < kGroups; i += 2) {
     const int j = kKeep + i;
-    const float4 v = landed[i * kWarpgroupThreads];
-    acc(4 * j) += v.x, acc(4 * j + 1) += v.y, acc(4 * j + 2) += v.z, acc(4 * j + 3) += v.w;
+    const uint4 v = landed[i / 2 * kWarpgroupThreads];
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    CUTE_UNROLL
+    for (int k = 0; k < 4; ++k) {  // a bf16 is the high half of the float it widens to
+      acc(4 * j + 2 * k) += __uint_as_float(words[k] << 16);
+      acc(4 * j + 2 * k + 1) += __uint_as_float(words[k] & 0xFFFF0000u);
+    }
   }
   warpgroup_fence_operand(acc);
   if constexpr (!Cfg::kDeterministic) {
