@@ -18,20 +18,12 @@ __device__ __forceinline__ uint32_t cluster_address(const void* local, uint32_t 
   return cute::set_block_rank(cute::cast_smem_ptr_to_uint(local), rank);
 }
 
-// Stores four floats into the other CTA's shared memory (`addr`, a cluster
-// address) without waiting for them: their 16 bytes complete a transaction on
-// the other CTA's mbarrier `barrier` (a cluster address too), whose wait then
-// sees them. No fence: an arrival that releases at cluster scope waits for
-// every earlier memory operation of its thread, global reductions included.
-__device__ __forceinline__ void store_async_cluster_f32x4(uint32_t addr, float a, float b, float c, float d,
-                                                          uint32_t barrier) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
-                   addr),
-               "f"(a), "f"(b), "f"(c), "f"(d), "r"(barrier)
-               : "memory");
-}
-
-// The same for four 32-bit words (here pairs of bf16).
+// Stores four 32-bit words into the other CTA's shared memory (`addr`, a
+// cluster address) without waiting for them: their 16 bytes complete a
+// transaction on the other CTA's mbarrier `barrier` (a cluster address too),
+// whose wait then sees them. No fence: an arrival that releases at cluster
+// scope waits for every earlier memory operation of its thread, global
+// reductions included.
 __device__ __forceinline__ void store_async_cluster_b32x4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
                                                           uint32_t d, uint32_t barrier) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(

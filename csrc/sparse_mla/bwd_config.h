@@ -29,8 +29,8 @@
 // and the next gather) by st.async, which completes on the partner's
 // recv_full[w]; it adds the partner's half of its own columns and reduces
 // them. (The exchange is bound by its bytes through the cluster's
-// shared-memory network: in float32 as many as the L2 reductions it saves.) Both ranks' warps
-// do the same work. Float32: the landing is freed as soon as it is read,
+// shared-memory network: in float32 as many as the L2 reductions it saves.)
+// Both ranks' warps do the same work. Float32: the landing is freed as soon as it is read,
 // before the vector atomics from registers. Deterministic: the merged half's
 // fixed-point terms go back into the landing, a 128-byte row of 16 columns
 // per key in each of two passes, and each row is added into the sums by the
@@ -85,7 +85,7 @@ constexpr uint32_t kSendFreeArrivals = 8;
 // transactions; the receiving warpgroup's thread 0 arms it (one arrival) with
 // the bytes expected. The landing is a whole ring stage: the deterministic
 // mode stages 64 rows of 128 bytes there afterwards.
-constexpr uint32_t kLandedBytes = 64 * kPairDimsPerRank * 2;
+constexpr uint32_t kHalfTileBytes = 64 * kPairDimsPerRank * 2;
 constexpr uint32_t kLandingBytes = 64 * kPairDimsPerRank * sizeof(float);
 constexpr uint32_t kRecvFullArrivals = 1;
 

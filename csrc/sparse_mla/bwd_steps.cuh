@@ -292,9 +292,9 @@ __device__ __forceinline__ void release_dq_stages(typename Cfg::SharedMemoryPlan
 // word i * 128 + t, so that a warp's accesses fill whole bank rows. Both
 // CTAs' threads hold the same elements of a tile.
 template <class Cfg>
-__device__ __forceinline__ float4* landing_of_thread(typename Cfg::SharedMemoryPlan& plan, int warpgroup,
-                                                     int thread) {
-  return reinterpret_cast<float4*>(plan.kv + (bwd::kLandingStage + warpgroup) * Cfg::Ring::kStageElems) + thread;
+__device__ __forceinline__ uint4* landing_of_thread(typename Cfg::SharedMemoryPlan& plan, int warpgroup,
+                                                    int thread) {
+  return reinterpret_cast<uint4*>(plan.kv + (bwd::kLandingStage + warpgroup) * Cfg::Ring::kStageElems) + thread;
 }
 
 // After the block's dQ (this warpgroup's WGMMAs read no key stage any more):
@@ -390,10 +390,10 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
                               bf16x2_bits(acc(4 * j + 6), acc(4 * j + 7)), full);
   }
   if (thread == 0)
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full[w], bwd::kLandedBytes);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full[w], bwd::kHalfTileBytes);
   wait_cluster(&plan.recv_full[w], role.recv_phase);
   role.recv_phase ^= 1u;
-  const uint4* landed = reinterpret_cast<const uint4*>(landing_of_thread<Cfg>(plan, w, thread));
+  const uint4* landed = landing_of_thread<Cfg>(plan, w, thread);
   CUTE_UNROLL
   for (int i = 0; i < kGroups; i += 2) {
     const int j = kKeep + i;
