@@ -71,11 +71,16 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
       NamedBarrier::sync(kPairThreads, kOddPReady);
       wait_landed<Cfg>(plan, 1, 0, kVTilesPerConsumer, phase);
       issue_pv<Cfg>(plan, 1, 0, st.accO, thread);
+      // P0 . V0 is done before P1 . V1: its stages go back to the gather of the
+      // next even block while P1 . V1 runs.
+      warpgroup_wait<1>();
+    } else {
+      warpgroup_wait<0>();
     }
-    warpgroup_wait<0>();
     release<Cfg>(plan, 0, 0, kVTilesPerConsumer, lane);
     if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);  // P0
     if (has_odd) {
+      warpgroup_wait<0>();
       release<Cfg>(plan, 1, 0, kVTilesPerConsumer, lane);
       if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // P1
     }
@@ -97,7 +102,6 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     float odd_max[2] = {-INFINITY, -INFINITY};
     if (has_odd) {
       const BlockSlots slots = load_block_slots(c.slots, block + 1, lane);
-      // The value tiles of WG1's half first: its own P.V frees them first.
       issue_scores<Cfg>(plan, 1, phase, block == 0, accS, thread);
       warpgroup_wait<0>();
       release<Cfg>(plan, 1, 0, kVTilesPerConsumer, lane);  // WG0's value tiles
@@ -119,13 +123,16 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     NamedBarrier::sync(kPairThreads, kEvenPReady);
     wait_landed<Cfg>(plan, 0, kVTilesPerConsumer, kVTilesPerConsumer, phase);
     issue_pv<Cfg>(plan, 0, 1, st.accO, thread);
-    warpgroup_wait<0>();
-    release<Cfg>(plan, 0, kVTilesPerConsumer, kVTilesPerConsumer, lane);
-    if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);
     if (has_odd) {
+      // P1 . V1 is done before P0 . V0: its stages go back to the gather of
+      // the next odd block while P0 . V0 runs.
+      warpgroup_wait<1>();
       release<Cfg>(plan, 1, kVTilesPerConsumer, kVTilesPerConsumer, lane);
       if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // P1
     }
+    warpgroup_wait<0>();
+    release<Cfg>(plan, 0, kVTilesPerConsumer, kVTilesPerConsumer, lane);
+    if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);
   }
 }
 
