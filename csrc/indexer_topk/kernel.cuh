@@ -295,7 +295,7 @@ __device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan,
 // A warpgroup's blocks of chunk ch (block j0 + blk is this warpgroup's
 // where it is wg modulo 2: config.h, the stages' owners). The block in flight
 // alternates between acc0 and acc1; the loop is unrolled by two so that each
-// is named statically.
+// is named statically, and the last block finishes in whichever holds it.
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                              const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
@@ -306,19 +306,14 @@ __device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& pla
   if (blk >= blocks) return;
   issue_block<Cfg>(plan, mma, tA, tB, acc0, j0 + blk);
   warpgroup_commit_batch();
-  bool in_acc0 = true;
   for (;;) {
-    if (blk + kConsumers >= blocks) break;
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc0, weights, j0, ch, blk, t);
     block_step<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, blk, t);
     blk += kConsumers;
-    in_acc0 = false;
-    if (blk + kConsumers >= blocks) break;
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc1, weights, j0, ch, blk, t);
     block_step<Cfg>(plan, p, c, mma, tA, tB, acc1, acc0, weights, j0, ch, blk, t);
     blk += kConsumers;
-    in_acc0 = true;
   }
-  if (in_acc0) block_last<Cfg>(plan, p, c, acc0, weights, j0, ch, blk, t);
-  else block_last<Cfg>(plan, p, c, acc1, weights, j0, ch, blk, t);
 }
 
 template <class Cfg>
