@@ -57,13 +57,13 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       even_max[rh] = fmaxf(st.row_max[rh], even_max[rh]);
-      if (lane % 4 == 0) plan.max_of_even[row0 + 8 * rh] = even_max[rh];
+      if (lane % 4 == 0) plan.max_of_even[phase][row0 + 8 * rh] = even_max[rh];
     }
     NamedBarrier::arrive(kPairThreads, kMaxOfEvenReady);
     NamedBarrier::sync(kPairThreads, kMaxOfPairReady);
     float pair_max[2];
     CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh) pair_max[rh] = plan.max_of_pair[row0 + 8 * rh];
+    for (int rh = 0; rh < 2; ++rh) pair_max[rh] = plan.max_of_pair[phase][row0 + 8 * rh];
     rescale_to(st, pair_max);
     publish_p(plan, st, accS, pair_max, 0, kEvenPStored, kEvenPReady, warp, lane);
     issue_pv<Cfg>(plan, 0, 0, st.accO, thread);
@@ -71,16 +71,16 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
       NamedBarrier::sync(kPairThreads, kOddPReady);
       wait_landed<Cfg>(plan, 1, 0, kVTilesPerConsumer, phase);
       issue_pv<Cfg>(plan, 1, 0, st.accO, thread);
-      // P0 . V0 is done before P1 . V1: its stages go back to the gather of the
-      // next even block while P1 . V1 runs.
-      warpgroup_wait<1>();
     } else {
-      warpgroup_wait<0>();
+      warpgroup_commit_batch();  // an empty group: the wait below then means P0 . V0 either way
     }
+    // P0 . V0 is done before P1 . V1: its stages go back to the gather of the
+    // next even block while P1 . V1 runs.
+    warpgroup_wait<1>();
     release<Cfg>(plan, 0, 0, kVTilesPerConsumer, lane);
     if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);  // P0
+    warpgroup_wait<0>();  // on every path (a wait that depends on has_odd makes ptxas add its own)
     if (has_odd) {
-      warpgroup_wait<0>();
       release<Cfg>(plan, 1, 0, kVTilesPerConsumer, lane);
       if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // P1
     }
@@ -111,8 +111,8 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     float pair_max[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      pair_max[rh] = fmaxf(plan.max_of_even[row0 + 8 * rh], odd_max[rh]);
-      if (lane % 4 == 0) plan.max_of_pair[row0 + 8 * rh] = pair_max[rh];
+      pair_max[rh] = fmaxf(plan.max_of_even[phase][row0 + 8 * rh], odd_max[rh]);
+      if (lane % 4 == 0) plan.max_of_pair[phase][row0 + 8 * rh] = pair_max[rh];
     }
     NamedBarrier::arrive(kPairThreads, kMaxOfPairReady);
     rescale_to(st, pair_max);
