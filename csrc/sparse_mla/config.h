@@ -125,8 +125,8 @@ struct FwdConfig {
     PTiles<kPTiles> p;
     typename Ring::Barriers ring;
     uint64_t q_ready[kDimTiles];  // TMA of Q's dim tile landed
-    // Per pair parity, so that one consumer's next pair never writes what
-    // the other may still read of this one.
+    // Per pair parity, defensively: the named barriers already order each
+    // write after the other consumer's read of the pair before.
     float max_of_even[2][HT];     // row max after the even block of a pair (WG0 -> WG1)
     float max_of_pair[2][HT];     // row max after the pair (WG1 -> WG0)
     float row_sum[kNumConsumers][HT];

@@ -72,7 +72,10 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
       wait_landed<Cfg>(plan, 1, 0, kVTilesPerConsumer, phase);
       issue_pv<Cfg>(plan, 1, 0, st.accO, thread);
     } else {
-      warpgroup_commit_batch();  // an empty group: the wait below then means P0 . V0 either way
+      // An empty group, so that the wait below means P0 . V0 on both paths
+      // (fenced as a group with products would be, or ptxas adds the fence).
+      warpgroup_arrive();
+      warpgroup_commit_batch();
     }
     // P0 . V0 is done before P1 . V1: its stages go back to the gather of the
     // next even block while P1 . V1 runs.
