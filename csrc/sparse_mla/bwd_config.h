@@ -30,8 +30,8 @@
 // recv_full[w]; it adds the partner's half of its own columns and reduces
 // them. (The exchange is bound by its bytes through the cluster's
 // shared-memory network: in float32 as many as the L2 reductions it saves.)
-// Both ranks' warps do the same work. Float32: the landing is freed as soon as it is read,
-// before the vector atomics from registers. Deterministic: the merged half's
+// Both ranks' warps do the same work. Float32: the landing is freed as soon
+// as it is read, before the vector atomics from registers. Deterministic: the merged half's
 // fixed-point terms go back into the landing, a 128-byte row of 16 columns
 // per key in each of two passes, and each row is added into the sums by the
 // copy engine (cp.reduce.async.bulk: whole L2 lines); the landing is freed

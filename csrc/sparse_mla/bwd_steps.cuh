@@ -362,8 +362,8 @@ __device__ __forceinline__ void free_landing(typename Cfg::SharedMemoryPlan& pla
 // A pair's merge of a waited dKV tile, rank kRank's side: the partner's column
 // half of this warpgroup's partial goes into the partner's landing (st.async,
 // once the partner has freed it), as bf16; the partner's partial of this
-// rank's half is awaited, widened and added. Float32: the landing freed first, then the vector
-// atomics, whose issue can stall on L2; deterministic: the fixed-point sums
+// rank's half is awaited, widened and added. Float32: the landing freed
+// first, then the vector atomics, whose issue can stall on L2; deterministic: the fixed-point sums
 // written back into the landing and bulk-reduced from there, the landing
 // freed once they are read. (Freed for the partner's next half, or, after
 // the block's last tile, for the gather of the next block.)
@@ -379,9 +379,7 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
   role.send_phase ^= 1u;
   const uint32_t dst = cluster_address(landing_of_thread<Cfg>(plan, w, thread), role.partner);
   const uint32_t full = cluster_address(&plan.recv_full[w], role.partner);
-  // The half travels as bf16 pairs: the exchange is bound by its bytes
-  // through the cluster's shared-memory network (as many as the L2
-  // reductions it saves, in float32).
+  // As bf16 pairs (why: bwd_config.h, head-tile pairs).
   CUTE_UNROLL
   for (int i = 0; i < kGroups; i += 2) {
     const int j = kSend + i;

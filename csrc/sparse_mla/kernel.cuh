@@ -80,12 +80,10 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     // P0 . V0 is done before P1 . V1: its stages go back to the gather of the
     // next even block while P1 . V1 runs.
     warpgroup_wait<1>();
-    release<Cfg>(plan, 0, 0, kVTilesPerConsumer, lane);
-    if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);  // P0
+    release_after_pv<Cfg>(plan, 0, 0, lane);
     warpgroup_wait<0>();  // on every path (a wait that depends on has_odd makes ptxas add its own)
     if (has_odd) {
-      release<Cfg>(plan, 1, 0, kVTilesPerConsumer, lane);
-      if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // P1
+      release_after_pv<Cfg>(plan, 1, 0, lane);
     }
   }
 }
@@ -130,12 +128,10 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
       // P1 . V1 is done before P0 . V0: its stages go back to the gather of
       // the next odd block while P0 . V0 runs.
       warpgroup_wait<1>();
-      release<Cfg>(plan, 1, kVTilesPerConsumer, kVTilesPerConsumer, lane);
-      if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // P1
+      release_after_pv<Cfg>(plan, 1, kVTilesPerConsumer, lane);
     }
     warpgroup_wait<0>();
-    release<Cfg>(plan, 0, kVTilesPerConsumer, kVTilesPerConsumer, lane);
-    if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);
+    release_after_pv<Cfg>(plan, 0, kVTilesPerConsumer, lane);
   }
 }
 

@@ -44,6 +44,16 @@ __device__ __forceinline__ void release(typename Cfg::SharedMemoryPlan& plan, in
   for (int i = 0; i < num_tiles; ++i) release_stage<typename Cfg::Ring>(plan.ring, buffer, first_tile + i, lane);
 }
 
+// After a P.V: this warpgroup's value half of `buffer` (tiles first_tile ..
+// + 3) has been read, and so has the block's P where it lives in the
+// buffer's rope stage.
+template <class Cfg>
+__device__ __forceinline__ void release_after_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
+                                                 int lane) {
+  release<Cfg>(plan, buffer, first_tile, kVTilesPerConsumer, lane);
+  if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, buffer, Cfg::kDimTiles - 1, 1, lane);
+}
+
 template <class Cfg>
 __device__ __forceinline__ void wait_landed(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
                                             int num_tiles, uint32_t phase) {
