@@ -125,81 +125,110 @@ __device__ __forceinline__ void release_stage(typename Ring::Barriers& ring, int
   if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ring.empty[consumer][stage]);
 }
 
-// Producer side: kFeeders threads feed consumer `consumer`'s ring (`stages`:
-// its kStages stage buffers) with the key rows of its blocks, kDims / 64
-// stages per block. Thread `feeder` copies 16-byte chunk (feeder % 8) of rows
-// (feeder / 8) + (kFeeders / 8) * r of each stage. `keys` is this batch
-// element's [N, kDims] key rows. The slot indices are loaded kLookahead of
-// this ring's blocks ahead.
-template <class Ring, int kDims, int kLookahead = 1>
-__device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::Barriers& ring,
-                                                  const RowSlots& slots, const bf16* keys, int consumer,
-                                                  int feeder) {
+// Producer side, one thread's part of every stage it fills: 16-byte chunk
+// (feeder % 8) of rows (feeder / 8) + (kFeeders / 8) * r. `keys` is this batch
+// element's [N, kDims] key rows. The ring gather below runs it over a ring's
+// blocks; a kernel that orders its stages itself (sparse_mla's forward) runs
+// it directly.
+template <class Ring, int kDims>
+struct KeyRowFeeder {
   static_assert(kDims % kDimTile == 0, "key rows must be whole 64-dim tiles");
-  constexpr int kDimTiles = kDims / kDimTile;
-  constexpr int kRows = Ring::kRowsPerFeeder;
-  constexpr int kRowStep = Ring::kFeeders / 8;
-  const int chunk = feeder % 8;
-  const int row0 = feeder / 8;
+  static constexpr int kDimTiles = kDims / kDimTile;
+  static constexpr int kRows = Ring::kRowsPerFeeder;
+  static constexpr int kRowStep = Ring::kFeeders / 8;
   // The 128-byte swizzle (Swizzle<3,4,3>) XORs the 16-byte chunk with row % 8,
   // which is row0 % 8 for all of this thread's rows.
   static_assert(kRowStep % 8 == 0, "each feeder's rows must share row % 8");
-  const int smem_chunk_elems = (chunk ^ (row0 % 8)) * 8;
+  // With few rows a thread, each row's source pointer is formed once per block
+  // and the dim tiles add immediate offsets (the indexer: 4 rows, 2 tiles);
+  // with many, 64-bit pointers for every row would not fit the producer's
+  // registers (attn_dist: 8 rows, 9 tiles), so each tile forms its addresses.
+  static constexpr bool kRowPointers = kRows <= 4;
+
+  const RowSlots& slots;
+  const int row0;
+  const int smem_chunk_elems;
   // Rows are addressed by their offset in the row's key range (zero-extended:
   // an offset is valid only when below key_span, which is at most N).
-  const bf16* range_keys = keys + int64_t(slots.key_begin) * kDims;
-  const bf16* chunk_base = range_keys + chunk * 8;
-  const int num_blocks = slots.num_blocks();
-  RingPos<Ring::kStages> pos;
+  const bf16* const chunk_base;
 
-  // The slot indices are loaded ahead: waiting for them at the start of each
-  // block stalled the gather for an L2 round trip per block. (Loads past T
-  // return -1 without reading.)
-  int32_t ahead[kLookahead][kRows];
-  auto load_block_indices = [&](int block, int32_t (&into)[kRows]) {
+  __device__ __forceinline__ KeyRowFeeder(const RowSlots& row_slots, const bf16* keys, int feeder)
+      : slots(row_slots),
+        row0(feeder / 8),
+        smem_chunk_elems(((feeder % 8) ^ (feeder / 8 % 8)) * 8),
+        chunk_base(keys + int64_t(row_slots.key_begin) * kDims + feeder % 8 * 8) {}
+
+  // This thread's slot indices of `block` (-1 past T, without a read).
+  __device__ __forceinline__ void load_indices(int block, int32_t (&into)[kRows]) const {
     // One base pointer per block; the rows are immediate offsets from it.
     const int32_t* base = slots.indices + block * kBlockTopk + row0;
     const int left = slots.topk - block * kBlockTopk - row0;  // this thread's slots left in the row
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) into[r] = kRowStep * r < left ? __ldg(base + kRowStep * r) : -1;
-  };
-  CUTE_UNROLL
-  for (int a = 0; a < kLookahead; ++a) load_block_indices(consumer + a * Ring::kConsumers, ahead[a]);
-  // With few rows a thread, each row's source pointer is formed once per block
-  // and the dim tiles add immediate offsets (the indexer: 4 rows, 2 tiles);
-  // with many, 64-bit pointers for every row would not fit the producer's
-  // registers (attn_dist: 8 rows, 9 tiles), so each tile forms its addresses.
-  constexpr bool kRowPointers = kRows <= 4;
-  for (int block = consumer; block < num_blocks; block += Ring::kConsumers) {
+  }
+
+  // Where this thread's rows of a block come from.
+  struct BlockRows {
     uint32_t offset[kRows];  // in the row's key range; 0 for an invalid slot, which reads nothing
     bool valid[kRows];       // else zero-fill
-    const bf16* row_src[kRowPointers ? kRows : 1];
+    const bf16* src[kRowPointers ? kRows : 1];
+  };
+  __device__ __forceinline__ BlockRows block_rows(const int32_t (&indices)[kRows]) const {
+    BlockRows b;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      offset[r] = slots.key_offset(ahead[0][r]);
-      valid[r] = offset[r] < slots.key_span;
-      offset[r] = valid[r] ? offset[r] : 0u;
-      if constexpr (kRowPointers) row_src[r] = chunk_base + uint64_t(offset[r]) * kDims;
+      b.offset[r] = slots.key_offset(indices[r]);
+      b.valid[r] = b.offset[r] < slots.key_span;
+      b.offset[r] = b.valid[r] ? b.offset[r] : 0u;
+      if constexpr (kRowPointers) b.src[r] = chunk_base + uint64_t(b.offset[r]) * kDims;
     }
+    return b;
+  }
+
+  // Dim tile `dt` of the block's rows into `stage` (cp.async, not waited for).
+  __device__ __forceinline__ void copy_tile(bf16* stage, const BlockRows& b, int dt) const {
+    const bf16* k_tile = chunk_base + dt * kDimTile;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      // 64-bit row offset: offset * kDims passes 2^31 for N > 3.7M at D = 576.
+      const bf16* src = kRowPointers ? b.src[kRowPointers ? r : 0] + dt * kDimTile
+                                     : k_tile + uint64_t(b.offset[r]) * kDims;
+      bf16* dst = stage + (row0 + kRowStep * r) * kDimTile + smem_chunk_elems;
+      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+          *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst), b.valid[r]);
+    }
+  }
+};
+
+// kFeeders threads feed consumer `consumer`'s ring (`stages`: its kStages
+// stage buffers) with the key rows of its blocks, kDims / 64 stages per block,
+// in dim order. The slot indices are loaded kLookahead of this ring's blocks
+// ahead.
+template <class Ring, int kDims, int kLookahead = 1>
+__device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::Barriers& ring,
+                                                  const RowSlots& slots, const bf16* keys, int consumer,
+                                                  int feeder) {
+  using Feeder = KeyRowFeeder<Ring, kDims>;
+  const Feeder f(slots, keys, feeder);
+  const int num_blocks = slots.num_blocks();
+  RingPos<Ring::kStages> pos;
+
+  // The slot indices are loaded ahead: waiting for them at the start of each
+  // block stalled the gather for an L2 round trip per block.
+  int32_t ahead[kLookahead][Feeder::kRows];
+  CUTE_UNROLL
+  for (int a = 0; a < kLookahead; ++a) f.load_indices(consumer + a * Ring::kConsumers, ahead[a]);
+  for (int block = consumer; block < num_blocks; block += Ring::kConsumers) {
+    const typename Feeder::BlockRows rows = f.block_rows(ahead[0]);
     CUTE_UNROLL
     for (int a = 0; a + 1 < kLookahead; ++a)
       CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) ahead[a][r] = ahead[a + 1][r];
+      for (int r = 0; r < Feeder::kRows; ++r) ahead[a][r] = ahead[a + 1][r];
     if (block + kLookahead * Ring::kConsumers < num_blocks)
-      load_block_indices(block + kLookahead * Ring::kConsumers, ahead[kLookahead - 1]);
-    for (int dt = 0; dt < kDimTiles; ++dt) {
+      f.load_indices(block + kLookahead * Ring::kConsumers, ahead[kLookahead - 1]);
+    for (int dt = 0; dt < Feeder::kDimTiles; ++dt) {
       cutlass::arch::ClusterBarrier::wait(&ring.empty[consumer][pos.stage], pos.phase ^ 1);
-      bf16* stage = stages + pos.stage * Ring::kStageElems;
-      const bf16* k_tile = chunk_base + dt * kDimTile;
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        // 64-bit row offset: offset * kDims passes 2^31 for N > 3.7M at D = 576.
-        const bf16* src = kRowPointers ? row_src[kRowPointers ? r : 0] + dt * kDimTile
-                                       : k_tile + uint64_t(offset[r]) * kDims;
-        bf16* dst = stage + (row0 + kRowStep * r) * kDimTile + smem_chunk_elems;
-        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-            *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst), valid[r]);
-      }
+      f.copy_tile(stages + pos.stage * Ring::kStageElems, rows, dt);
       cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[consumer][pos.stage]);
       pos.advance();
     }

@@ -76,14 +76,21 @@ struct FwdConfig {
   static constexpr int kDimTiles = D / kDimTile;
   static __host__ __device__ constexpr int num_head_tiles(int heads) { return (heads + HT - 1) / HT; }
 
-  // With a rope part (D = 576) each block's P lives in its buffer's last dim
-  // tile, which only the block's own S = Q.K^T reads, and before P exists; at
-  // D = 512 it has a tile of its own.
-  static constexpr bool kPInRopeTile = kDimTiles > kDv / kDimTile;
-  static constexpr int kPTiles = kPInRopeTile ? 0 : kNumConsumers;
+  // With a rope part (D = 576) the even block's P lives in buffer 0's last
+  // dim tile, which only S0 reads, and before P exists; the odd block's P has
+  // a tile of its own, so that buffer 1's rope tile is free once S1 has read
+  // it. At D = 512 both have tiles of their own.
+  static constexpr bool kHasRopeTile = kDimTiles > kDv / kDimTile;
+  static constexpr bool kEvenPInRopeTile = kHasRopeTile;
+  static constexpr int kPTiles = kEvenPInRopeTile ? 1 : kNumConsumers;
 
-  // One ring per block parity, one block deep.
-  using Ring = GatherRing<kDimTiles, kNumConsumers, kWarpgroupThreads>;
+  // One ring per block parity, one block deep, each fed by all 128 producer
+  // threads in turn (kernel.cuh, gather_block_pairs): 4 rows a thread.
+  using Ring = GatherRing<kDimTiles, kNumConsumers, kNumConsumers * kWarpgroupThreads>;
+  // The producer fills a pair's half blocks in the order they are freed and
+  // needed: buffer 0's tiles 0..3, buffer 1's 4.., buffer 0's 4.., buffer
+  // 1's 0..3; S1 reads buffer 1 from tile 4 on.
+  static constexpr int kOddFirstTile = kVTilesPerConsumer;
 
   // Q: 64 heads x D, K-major with the 128-byte swizzle; mode 2 picks the
   // 64-dim tile. Written by TMA (SWIZZLE_128B).
@@ -136,9 +143,10 @@ struct FwdConfig {
 
   // Warpgroups that read each stage (release it): buffer 0 is the even
   // blocks' (WG0 computes S), buffer 1 the odd ones' (WG1). Dim tiles
-  // 0..3 are WG0's value half, 4..7 WG1's; the rope tile holds P for the other.
+  // 0..3 are WG0's value half, 4..7 WG1's.
   static __device__ __forceinline__ int stage_readers(int buffer, int dim_tile) {
-    if (dim_tile >= kDv / kDimTile) return 2;  // S's own warpgroup, and the other reads P there
+    // Buffer 0's rope tile: S0's warpgroup, and both read P0 there; buffer 1's: S1 alone.
+    if (dim_tile >= kDv / kDimTile) return buffer == 0 ? 2 : 1;
     const int value_owner = dim_tile / kVTilesPerConsumer;
     return value_owner == buffer ? 1 : 2;
   }

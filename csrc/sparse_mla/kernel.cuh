@@ -103,9 +103,10 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     float odd_max[2] = {-INFINITY, -INFINITY};
     if (has_odd) {
       const BlockSlots slots = load_block_slots(c.slots, block + 1, lane);
-      issue_scores<Cfg>(plan, 1, phase, block == 0, accS, thread);
+      issue_scores<Cfg, Cfg::kOddFirstTile>(plan, 1, phase, block == 0, accS, thread);
       warpgroup_wait<0>();
       release<Cfg>(plan, 1, 0, kVTilesPerConsumer, lane);  // WG0's value tiles
+      if constexpr (Cfg::kHasRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // S1 alone reads it
       mask_scale_row_max(accS, valid_slot_mask(c.slots, slots), p.scale_log2, odd_max, lane);
     }
     NamedBarrier::sync(kPairThreads, kMaxOfEvenReady);
@@ -189,6 +190,49 @@ __device__ __forceinline__ void finish(typename Cfg::SharedMemoryPlan& plan, con
 }
 
 // ---------------------------------------------------------------------------
+// Producer (WG2, all 128 threads): each pair's two key blocks, half a block at
+// a time in the order the consumers free and need them: buffer 0's value
+// tiles 0..3 (WG0's first P.V frees them), buffer 1's tiles 4.. (WG1's), then
+// buffer 0's 4.. and buffer 1's 0..3 (the second products'). The rows, their
+// validity and the copies are the shared gather's (common/gather.cuh).
+// ---------------------------------------------------------------------------
+template <class Cfg>
+__device__ __forceinline__ void gather_block_pairs(typename Cfg::SharedMemoryPlan& plan, const RowSlots& slots,
+                                                   const bf16* keys, int feeder) {
+  using Ring = typename Cfg::Ring;
+  using Feeder = KeyRowFeeder<Ring, Cfg::D>;
+  static_assert(Ring::kFeeders == kWarpgroupThreads, "every producer thread feeds both buffers");
+  const Feeder f(slots, keys, feeder);
+  const int num_blocks = slots.num_blocks();
+  auto copy_tiles = [&](int buffer, const typename Feeder::BlockRows& rows, int first, int end,
+                        uint32_t free_parity) {
+    for (int dt = first; dt < end; ++dt) {
+      cutlass::arch::ClusterBarrier::wait(&plan.ring.empty[buffer][dt], free_parity);
+      f.copy_tile(plan.kv[buffer] + dt * Ring::kStageElems, rows, dt);
+      cutlass::arch::cpasync_barrier_arrive_noinc(&plan.ring.full[buffer][dt]);
+    }
+  };
+
+  int32_t ahead[2][Feeder::kRows];  // the next pair's slot indices, loaded a pair ahead
+  f.load_indices(0, ahead[0]);
+  f.load_indices(1, ahead[1]);
+  for (int block = 0; block < num_blocks; block += 2) {
+    const uint32_t free_parity = ((block / 2) & 1) ^ 1;
+    const bool has_odd = block + 1 < num_blocks;
+    const typename Feeder::BlockRows even = f.block_rows(ahead[0]), odd = f.block_rows(ahead[1]);
+    if (block + 2 < num_blocks) {
+      f.load_indices(block + 2, ahead[0]);
+      f.load_indices(block + 3, ahead[1]);
+    }
+    copy_tiles(0, even, 0, kVTilesPerConsumer, free_parity);
+    if (has_odd) copy_tiles(1, odd, kVTilesPerConsumer, Cfg::kDimTiles, free_parity);
+    copy_tiles(0, even, kVTilesPerConsumer, Cfg::kDimTiles, free_parity);
+    if (has_odd) copy_tiles(1, odd, 0, kVTilesPerConsumer, free_parity);
+  }
+  cute::cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------------------
 // The kernel.
 // ---------------------------------------------------------------------------
 template <class Cfg>
@@ -216,11 +260,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       cute::prefetch_tma_descriptor(&tma.q);
       load_head_tile_by_tma<Cfg::HT, Cfg::kDimTiles>(plan.q, plan.q_ready, &tma.q, cta);
     }
-    constexpr int kFeeders = Cfg::Ring::kFeeders;
-    const int buffer = thread_in_wg / kFeeders;
     const bf16* keys = static_cast<const bf16*>(params.kv) + int64_t(cta.batch) * params.s_kv * Cfg::D;
-    gather_key_blocks<typename Cfg::Ring, Cfg::D>(plan.kv[buffer], plan.ring, cta.slots, keys, buffer,
-                                                  thread_in_wg % kFeeders);
+    gather_block_pairs<Cfg>(plan, cta.slots, keys, thread_in_wg);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     ConsumerState<Cfg> st;

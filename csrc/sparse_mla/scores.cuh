@@ -20,7 +20,7 @@ namespace sparse_mla {
 // Over the first size<2>(LayoutA) dim tiles: waits for A's tile (TMA, before
 // the first block only) and the key stage (`key_full[dt]`, this block's
 // phase), then issues its WGMMAs; committed, not waited for.
-template <class Mma, class LayoutA, class LayoutK, class Acc>
+template <class Mma, class LayoutA, class LayoutK, int kFirstTile = 0, class Acc>
 __device__ __forceinline__ void issue_block_scores(const bf16* a_smem, uint64_t* a_ready, const bf16* k_smem,
                                                    uint64_t* key_full, uint32_t phase, bool first_block, Acc& acc,
                                                    int thread) {
@@ -32,13 +32,14 @@ __device__ __forceinline__ void issue_block_scores(const bf16* a_smem, uint64_t*
   Tensor tK = thr.partition_fragment_B(make_tensor(make_smem_ptr(k_smem), LayoutK{}));  // (64, 64, D/64)
   warpgroup_fence_operand(acc);
   CUTE_UNROLL
-  for (int dt = 0; dt < kTiles; ++dt) {
+  for (int i = 0; i < kTiles; ++i) {
+    const int dt = (i + kFirstTile) % kTiles;  // from kFirstTile on, wrapping
     if (first_block) cutlass::arch::ClusterTransactionBarrier::wait(&a_ready[dt], 0);
     cutlass::arch::ClusterBarrier::wait(&key_full[dt], phase);
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tA); ++kb) {
-      mma.accumulate_ = dt == 0 && kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+      mma.accumulate_ = i == 0 && kb == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
       cute::gemm(mma, tA(_, _, kb, dt), tK(_, _, kb, dt), acc);
     }
   }

@@ -32,8 +32,11 @@ __device__ __forceinline__ float exp2_diff(float a, float b) { return b == -INFI
 
 template <class Cfg>
 __device__ __forceinline__ bf16* p_tile(typename Cfg::SharedMemoryPlan& plan, int buffer) {
-  if constexpr (Cfg::kPInRopeTile) return plan.kv[buffer] + (Cfg::kDimTiles - 1) * kBlockTopk * kDimTile;
-  else return plan.p.tile[buffer];
+  if constexpr (Cfg::kEvenPInRopeTile) {
+    return buffer == 0 ? plan.kv[0] + (Cfg::kDimTiles - 1) * kBlockTopk * kDimTile : plan.p.tile[0];
+  } else {
+    return plan.p.tile[buffer];
+  }
 }
 
 // Stage `dim_tile` of `buffer` has been read by this warpgroup.
@@ -45,13 +48,15 @@ __device__ __forceinline__ void release(typename Cfg::SharedMemoryPlan& plan, in
 }
 
 // After a P.V: this warpgroup's value half of `buffer` (tiles first_tile ..
-// + 3) has been read, and so has the block's P where it lives in the
-// buffer's rope stage.
+// + 3) has been read, and so has the even block's P where it lives in
+// buffer 0's rope stage.
 template <class Cfg>
 __device__ __forceinline__ void release_after_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
                                                  int lane) {
   release<Cfg>(plan, buffer, first_tile, kVTilesPerConsumer, lane);
-  if constexpr (Cfg::kPInRopeTile) release<Cfg>(plan, buffer, Cfg::kDimTiles - 1, 1, lane);
+  if constexpr (Cfg::kEvenPInRopeTile) {
+    if (buffer == 0) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);
+  }
 }
 
 template <class Cfg>
@@ -61,10 +66,10 @@ __device__ __forceinline__ void wait_landed(typename Cfg::SharedMemoryPlan& plan
 }
 
 // accS = Q . K^T over all dim tiles of `buffer` (issued, not waited for).
-template <class Cfg, class Acc>
+template <class Cfg, int kFirstTile = 0, class Acc>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, int buffer, uint32_t phase,
                                              bool first_block, Acc& accS, int thread) {
-  issue_block_scores<typename Cfg::MmaQK, typename Cfg::SmemLayoutQ, typename Cfg::Ring::SmemLayout>(
+  issue_block_scores<typename Cfg::MmaQK, typename Cfg::SmemLayoutQ, typename Cfg::Ring::SmemLayout, kFirstTile>(
       plan.q, plan.q_ready, plan.kv[buffer], plan.ring.full[buffer], phase, first_block, accS, thread);
 }
 
