@@ -229,13 +229,22 @@ __device__ __forceinline__ void issue_block(typename Cfg::SharedMemoryPlan& plan
   warpgroup_fence_operand(acc);
 }
 
+// Where the whole pair's keys fit one chunk, the first radix round's
+// histogram (the order keys' top kHistBits bits) is counted as the logits are
+// stored: each row counts its own keys, chunk positions [first, first + span).
+struct FirstDigit {
+  bool on = false;
+  uint32_t first[kRows] = {0u, 0u};
+  uint32_t span[kRows] = {0u, 0u};  // 0: the row needs no selection
+};
+
 // The logits of block j, whose WGMMAs have completed into acc: the stage
 // released, then each (key, row) sum reduced over its quad and stored by one
-// lane.
+// lane (and counted in the row's first-digit histogram, where fd.on).
 template <class Cfg, class Acc>
 __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
                                              const ColumnWeights<Cfg>& weights, const KeyScales& k, int j, int slot,
-                                             int t) {
+                                             int t, const FirstDigit& fd) {
   const int warp = t / 32, lane = t % 32, quad = lane % 4;
   if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[j % Cfg::kStages]);
 
@@ -261,7 +270,15 @@ __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& pla
   sum += __shfl_xor_sync(0xffffffffu, odd_lane ? keep[0] : keep[1], 1);
   const int row = quad >> 1, rh = quad & 1;
   const int m = 16 * warp + lane / 4 + 8 * rh;
-  plan.logits[row][slot * kBlockKeys + m] = order_key(sum * (rh ? k.ks[1] : k.ks[0]));
+  const uint32_t u = order_key(sum * (rh ? k.ks[1] : k.ks[0]));
+  const int pos = slot * kBlockKeys + m;
+  plan.logits[row][pos] = u;
+  if (fd.on) {
+    // (selects, not a runtime index into fd: that would put it in local memory)
+    const uint32_t first = row ? fd.first[1] : fd.first[0], span = row ? fd.span[1] : fd.span[0];
+    const bool mine = uint32_t(pos) - first < span;
+    shared_add(&plan.hist[row][u >> (32 - kHistBits)], uint32_t(mine));
+  }
 }
 
 // One step of a warpgroup's block loop, two accumulators deep: block blk's
@@ -272,24 +289,24 @@ template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                            const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
                                            Acc& cur, Acc& next, const ColumnWeights<Cfg>& weights, int j0, int ch,
-                                           int blk, int t) {
+                                           int blk, int t, const FirstDigit& fd) {
   const KeyScales k = load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), t);
   issue_block<Cfg>(plan, mma, tA, tB, next, j0 + blk + kConsumers);
   warpgroup_commit_batch();
   warpgroup_wait<1>();  // blk's group has completed
   warpgroup_fence_operand(cur);
-  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t);
+  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t, fd);
 }
 
 // The warpgroup's last block of a chunk: nothing behind it.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                            const CtaProblem& c, Acc& cur, const ColumnWeights<Cfg>& weights, int j0,
-                                           int ch, int blk, int t) {
+                                           int ch, int blk, int t, const FirstDigit& fd) {
   const KeyScales k = load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), t);
   warpgroup_wait<0>();
   warpgroup_fence_operand(cur);
-  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t);
+  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t, fd);
 }
 
 // A warpgroup's blocks of chunk ch (block j0 + blk is this warpgroup's
@@ -300,18 +317,18 @@ template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                              const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
                                              Acc& acc0, Acc& acc1, const ColumnWeights<Cfg>& weights, int j0, int ch,
-                                             int wg, int t) {
+                                             int wg, int t, const FirstDigit& fd = {}) {
   const int blocks = c.chunk_blocks(ch);
   int blk = (wg + j0) & 1;
   if (blk >= blocks) return;
   issue_block<Cfg>(plan, mma, tA, tB, acc0, j0 + blk);
   warpgroup_commit_batch();
   for (;;) {
-    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc0, weights, j0, ch, blk, t);
-    block_step<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, blk, t);
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc0, weights, j0, ch, blk, t, fd);
+    block_step<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, blk, t, fd);
     blk += kConsumers;
-    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc1, weights, j0, ch, blk, t);
-    block_step<Cfg>(plan, p, c, mma, tA, tB, acc1, acc0, weights, j0, ch, blk, t);
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc1, weights, j0, ch, blk, t, fd);
+    block_step<Cfg>(plan, p, c, mma, tA, tB, acc1, acc0, weights, j0, ch, blk, t, fd);
     blk += kConsumers;
   }
 }
@@ -343,11 +360,22 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
   const uint32_t* u = plan.logits[wg];
 
   if (c.num_chunks == 1) {
-    chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, 0, wg, t);
-    consumers_sync();  // both rows' logits stored
+    // Both warpgroups count both rows' first digits: every histogram cleared first.
+    FirstDigit fd;
+    fd.on = true;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      fd.first[r] = c.rows[r].begin - c.begin;
+      fd.span[r] = c.rows[r].select ? c.rows[r].span : 0u;
+    }
+    consumers_sync();
+    chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, 0, wg, t, fd);
+    consumers_sync();  // both rows' logits stored and counted
     if (!me.select) return;
     const int a = int(me.begin - c.begin), e = a + int(me.span);
-    RowSelect s = start_resident(plan, u, a, e, p.topk, wg, t);
+    RowSelect s;
+    s.prefix = 0u, s.low_bits = 32, s.need = uint32_t(p.topk), s.count = me.span;
+    hist_resolve(plan, s, wg, t);  // the first round's histogram is complete
     while (!s.done()) {
       hist_add(plan.hist[wg], u, a, e, s, t);
       hist_resolve(plan, s, wg, t);

@@ -84,34 +84,6 @@ __device__ __forceinline__ void for_each_key(const uint32_t* u, int a, int e, in
   }
 }
 
-// Starts the radix state of a row whose order keys u[a, e) are all resident:
-// the common high bits of their minimum and maximum are known at once.
-template <class Plan>
-__device__ __forceinline__ RowSelect start_resident(Plan& plan, const uint32_t* u, int a, int e, int topk, int r,
-                                                    int t) {
-  uint32_t lo = 0xFFFFFFFFu, hi = 0u;
-  for_each_key(u, a, e, t, [&](uint32_t v, bool in) {
-    if (in) lo = min(lo, v), hi = max(hi, v);
-  });
-  CUTE_UNROLL
-  for (int m = 16; m > 0; m >>= 1) {
-    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, m));
-    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, m));
-  }
-  const int warp = t / 32;
-  if (t % 32 == 0) plan.warp_sums[r][0][warp][0] = lo, plan.warp_sums[r][0][warp][1] = hi;
-  row_sync(r);
-  CUTE_UNROLL
-  for (int w = 0; w < 4; ++w) lo = min(lo, plan.warp_sums[r][0][w][0]), hi = max(hi, plan.warp_sums[r][0][w][1]);
-  row_sync(r);  // before warp_sums is written again
-  RowSelect s;
-  s.low_bits = lo == hi ? 0 : 32 - __clz(int(lo ^ hi));
-  s.prefix = uint32_t((uint64_t(lo) >> s.low_bits) << s.low_bits);
-  s.need = uint32_t(topk);
-  s.count = uint32_t(e - a);
-  return s;
-}
-
 // *p += v in shared memory, with no branch around it. (An increment by the
 // constant 1 under a condition, atomicAdd(p, 1) or a predicated red, compiles
 // to a warp-aggregated increment inside a convergence region per key, which
