@@ -139,11 +139,10 @@ struct KeyRowFeeder {
   // The 128-byte swizzle (Swizzle<3,4,3>) XORs the 16-byte chunk with row % 8,
   // which is row0 % 8 for all of this thread's rows.
   static_assert(kRowStep % 8 == 0, "each feeder's rows must share row % 8");
-  // With few rows a thread, each row's source pointer is formed once per block
-  // and the dim tiles add immediate offsets (the indexer: 4 rows, 2 tiles);
-  // with many, 64-bit pointers for every row would not fit the producer's
-  // registers (attn_dist: 8 rows, 9 tiles), so each tile forms its addresses.
-  static constexpr bool kRowPointers = kRows <= 4;
+  // Each row's source pointer is formed once per block and the dim tiles add
+  // immediate offsets. Every ring here has 4 rows a feeder; more 64-bit
+  // pointers would crowd the producers' few registers.
+  static_assert(kRows <= 4, "a feeder keeps a 64-bit source pointer per row");
 
   const RowSlots& slots;
   const int row0;
@@ -169,33 +168,29 @@ struct KeyRowFeeder {
 
   // Where this thread's rows of a block come from.
   struct BlockRows {
-    uint32_t offset[kRows];  // in the row's key range; 0 for an invalid slot, which reads nothing
+    const bf16* src[kRows];  // an invalid slot's is its range's first row, which it does not read
     bool valid[kRows];       // else zero-fill
-    const bf16* src[kRowPointers ? kRows : 1];
   };
   __device__ __forceinline__ BlockRows block_rows(const int32_t (&indices)[kRows]) const {
     BlockRows b;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      b.offset[r] = slots.key_offset(indices[r]);
-      b.valid[r] = b.offset[r] < slots.key_span;
-      b.offset[r] = b.valid[r] ? b.offset[r] : 0u;
-      if constexpr (kRowPointers) b.src[r] = chunk_base + uint64_t(b.offset[r]) * kDims;
+      const uint32_t offset = slots.key_offset(indices[r]);  // in the row's key range
+      b.valid[r] = offset < slots.key_span;
+      // 64-bit row offset: offset * kDims passes 2^31 for N > 3.7M at D = 576.
+      b.src[r] = chunk_base + uint64_t(b.valid[r] ? offset : 0u) * kDims;
     }
     return b;
   }
 
   // Dim tile `dt` of the block's rows into `stage` (cp.async, not waited for).
   __device__ __forceinline__ void copy_tile(bf16* stage, const BlockRows& b, int dt) const {
-    const bf16* k_tile = chunk_base + dt * kDimTile;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      // 64-bit row offset: offset * kDims passes 2^31 for N > 3.7M at D = 576.
-      const bf16* src = kRowPointers ? b.src[kRowPointers ? r : 0] + dt * kDimTile
-                                     : k_tile + uint64_t(b.offset[r]) * kDims;
       bf16* dst = stage + (row0 + kRowStep * r) * kDimTile + smem_chunk_elems;
       cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-          *reinterpret_cast<const cute::uint128_t*>(src), *reinterpret_cast<cute::uint128_t*>(dst), b.valid[r]);
+          *reinterpret_cast<const cute::uint128_t*>(b.src[r] + dt * kDimTile),
+          *reinterpret_cast<cute::uint128_t*>(dst), b.valid[r]);
     }
   }
 };
