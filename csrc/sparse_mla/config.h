@@ -13,7 +13,8 @@
 //   multiplies every block's P into its half, both P tiles from shared
 //   memory. The running row max is exchanged through shared memory once per
 //   block pair, so both halves share one softmax.
-//   WG2 gathers the key rows (64 feeders per buffer) and loads Q by TMA.
+//   WG2 gathers the key rows (all 128 threads, both buffers by half blocks)
+//   and loads Q by TMA.
 #pragma once
 
 #include <cstdint>
