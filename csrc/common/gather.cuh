@@ -1,12 +1,14 @@
 // The gather pipeline shared by the kernels: producer threads (one warpgroup in
-// the indexer's kernels, two in attn_dist's) copy the key rows that a query
-// row's top-k slots select into rings of shared-memory stages, one ring per
-// consumer warpgroup, where WGMMA reads them.
+// the indexer's kernels, the sparse MLA backward and forward, two in
+// attn_dist's) copy the key rows that a query row's top-k slots select into
+// rings of shared-memory stages, one ring per consumer warpgroup (in the
+// sparse MLA forward, per block parity), where WGMMA reads them.
 //
 // A stage is one 64-key x 64-dim tile (8 KiB bf16, K-major, 128-byte swizzle:
-// a WGMMA operand). Consumer c takes the key blocks c, c + kConsumers, ...;
-// for each it needs kDims / 64 stages, in dim order. Invalid slots (per
-// RowSlots) are zero-filled without a read, so any index is safe.
+// a WGMMA operand). In gather_key_blocks consumer c takes the key blocks c,
+// c + kConsumers, ...; for each it needs kDims / 64 stages, in dim order (the
+// sparse MLA forward orders its stages itself, with KeyRowFeeder). Invalid
+// slots (per RowSlots) are zero-filled without a read, so any index is safe.
 #pragma once
 
 #include <cstdint>

@@ -14,7 +14,8 @@
 // A row whose valid keys number at most topk needs no logits: its keys are
 // written directly. Otherwise the pair's keys (the union of its selecting
 // rows' ranges) are computed in chunks of kChunkKeys. One chunk (any N up to
-// 8192): one GEMM pass, and every radix round runs on the resident logits.
+// 8192): one GEMM pass, whose stores also count the first radix round's
+// histogram; the later rounds run on the resident logits.
 // Several chunks: one GEMM pass per radix round (histograms only), then one
 // that writes the output; the producer learns from the consumers at each
 // pass's end whether the next one writes (kBarPass).
@@ -234,8 +235,8 @@ __device__ __forceinline__ void issue_block(typename Cfg::SharedMemoryPlan& plan
 // stored: each row counts its own keys, chunk positions [first, first + span).
 struct FirstDigit {
   bool on = false;
-  uint32_t first[kRows] = {0u, 0u};
-  uint32_t span[kRows] = {0u, 0u};  // 0: the row needs no selection
+  uint32_t first[kRows] = {};
+  uint32_t span[kRows] = {};  // 0: the row needs no selection
 };
 
 // The logits of block j, whose WGMMAs have completed into acc: the stage

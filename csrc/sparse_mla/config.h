@@ -86,7 +86,9 @@ struct FwdConfig {
   static constexpr int kPTiles = kEvenPInRopeTile ? 1 : kNumConsumers;
 
   // One ring per block parity, one block deep, each fed by all 128 producer
-  // threads in turn (kernel.cuh, gather_block_pairs): 4 rows a thread.
+  // threads in turn (kernel.cuh, gather_block_pairs): 4 rows a thread. The
+  // ring is declared with 2 x 128 producer threads, which gives each ring
+  // its 128 feeders (kernel.cuh asserts it).
   using Ring = GatherRing<kDimTiles, kNumConsumers, kNumConsumers * kWarpgroupThreads>;
   // The producer fills a pair's half blocks in the order they are freed and
   // needed: buffer 0's tiles 0..3, buffer 1's 4.., buffer 0's 4.., buffer

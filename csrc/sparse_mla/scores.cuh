@@ -17,9 +17,10 @@
 namespace attn_dist {
 namespace sparse_mla {
 
-// Over the first size<2>(LayoutA) dim tiles: waits for A's tile (TMA, before
-// the first block only) and the key stage (`key_full[dt]`, this block's
-// phase), then issues its WGMMAs; committed, not waited for.
+// Over the first size<2>(LayoutA) dim tiles, from kFirstTile on and
+// wrapping: waits for A's tile (TMA, before the first block only) and the key
+// stage (`key_full[dt]`, this block's phase), then issues its WGMMAs;
+// committed, not waited for.
 template <class Mma, class LayoutA, class LayoutK, int kFirstTile = 0, class Acc>
 __device__ __forceinline__ void issue_block_scores(const bf16* a_smem, uint64_t* a_ready, const bf16* k_smem,
                                                    uint64_t* key_full, uint32_t phase, bool first_block, Acc& acc,
