@@ -74,7 +74,7 @@ struct Config {
   // shared memory after Q goes to the two rings.
   static constexpr int kStages =
       (kMaxDynamicSmem - kSmemAlign - kQBytes - kBarrierBytes) / (kNumConsumers * 64 * kDimTile * 2);
-  using Ring = GatherRing<kStages, kNumConsumers, kProducerThreads>;
+  using Ring = GatherRing<kStages, kNumConsumers, kProducerThreads / kNumConsumers>;  // a producer warpgroup a ring
 
   using TiledMma = KeyBlockMma<HT>;
 

@@ -45,12 +45,13 @@ constexpr bool register_budgets_fit(int threads, int ctas_per_sm, int consumer_t
          launch_registers_per_thread(threads, ctas_per_sm) * threads;
 }
 
-// kProducerThreads: the threads that feed the rings, split evenly between them.
-template <int kStages_, int kConsumers_, int kProducerThreads = kWarpgroupThreads>
+// kFeeders_: the producer threads that feed each ring (a warpgroup may feed
+// one ring, or several in turn).
+template <int kStages_, int kConsumers_, int kFeeders_ = kWarpgroupThreads>
 struct GatherRing {
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kConsumers_;
-  static constexpr int kFeeders = kProducerThreads / kConsumers;  // producer threads per ring
+  static constexpr int kFeeders = kFeeders_;
   static constexpr int kRowsPerFeeder = kBlockTopk * 8 / kFeeders;  // 8 feeders share a row (16 B each)
   static constexpr int kStageElems = kBlockTopk * kDimTile;
   static constexpr int kStageBytes = kStageElems * int(sizeof(bf16));

@@ -126,7 +126,7 @@ struct BwdConfig {
   static constexpr int kWg0ValueTiles = kRopeTiles ? 3 : 4;
 
   // One ring, one block deep, read by both consumers.
-  using Ring = GatherRing<kDimTiles, 1, kWarpgroupThreads>;
+  using Ring = GatherRing<kDimTiles, 1>;
 
   // Q and dO: 64 heads x 64-dim tiles, K-major, 128-byte swizzle (TMA-written).
   using SmemLayoutQ = decltype(cute::tile_to_shape(

@@ -82,14 +82,11 @@ struct FwdConfig {
   // a tile of its own, so that buffer 1's rope tile is free once S1 has read
   // it. At D = 512 both have tiles of their own.
   static constexpr bool kHasRopeTile = kDimTiles > kDv / kDimTile;
-  static constexpr bool kEvenPInRopeTile = kHasRopeTile;
-  static constexpr int kPTiles = kEvenPInRopeTile ? 1 : kNumConsumers;
+  static constexpr int kPTiles = kHasRopeTile ? 1 : kNumConsumers;
 
   // One ring per block parity, one block deep, each fed by all 128 producer
-  // threads in turn (kernel.cuh, gather_block_pairs): 4 rows a thread. The
-  // ring is declared with 2 x 128 producer threads, which gives each ring
-  // its 128 feeders (kernel.cuh asserts it).
-  using Ring = GatherRing<kDimTiles, kNumConsumers, kNumConsumers * kWarpgroupThreads>;
+  // threads in turn (kernel.cuh, gather_block_pairs): 4 rows a thread.
+  using Ring = GatherRing<kDimTiles, kNumConsumers>;
   // The producer fills a pair's half blocks in the order they are freed and
   // needed: buffer 0's tiles 0..3, buffer 1's 4.., buffer 0's 4.., buffer
   // 1's 0..3; S1 reads buffer 1 from tile 4 on.

@@ -32,7 +32,7 @@ __device__ __forceinline__ float exp2_diff(float a, float b) { return b == -INFI
 
 template <class Cfg>
 __device__ __forceinline__ bf16* p_tile(typename Cfg::SharedMemoryPlan& plan, int buffer) {
-  if constexpr (Cfg::kEvenPInRopeTile) {
+  if constexpr (Cfg::kHasRopeTile) {
     return buffer == 0 ? plan.kv[0] + (Cfg::kDimTiles - 1) * kBlockTopk * kDimTile : plan.p.tile[0];
   } else {
     return plan.p.tile[buffer];
@@ -54,7 +54,7 @@ template <class Cfg>
 __device__ __forceinline__ void release_after_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
                                                  int lane) {
   release<Cfg>(plan, buffer, first_tile, kVTilesPerConsumer, lane);
-  if constexpr (Cfg::kEvenPInRopeTile) {
+  if constexpr (Cfg::kHasRopeTile) {
     if (buffer == 0) release<Cfg>(plan, 0, Cfg::kDimTiles - 1, 1, lane);
   }
 }
