@@ -374,8 +374,7 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
     consumers_sync();  // both rows' logits stored and counted
     if (!me.select) return;
     const int a = int(me.begin - c.begin), e = a + int(me.span);
-    RowSelect s;
-    s.prefix = 0u, s.low_bits = 32, s.need = uint32_t(p.topk), s.count = me.span;
+    RowSelect s = RowSelect::first_round(uint32_t(p.topk), me.span);
     hist_resolve(plan, s, wg, t);  // the first round's histogram is complete
     while (!s.done()) {
       hist_add(plan.hist[wg], u, a, e, s, t);
@@ -387,8 +386,7 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
   }
 
   // Several chunks: a histogram pass per radix round, then the output pass.
-  RowSelect s;
-  s.prefix = 0u, s.low_bits = 32, s.need = uint32_t(p.topk), s.count = me.span;
+  RowSelect s = RowSelect::first_round(uint32_t(p.topk), me.span);
   EmitCursor cur;
   bool emits = false;
   for (;;) {

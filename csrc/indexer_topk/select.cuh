@@ -42,6 +42,13 @@ struct RowSelect {
   uint32_t need;    // keys still to take among those that match the prefix (>= 1)
   uint32_t count;   // keys that match the prefix
 
+  // Before the first round: no bit of the cut known; `need` of the `count`
+  // keys to take.
+  static __device__ __forceinline__ RowSelect first_round(uint32_t need, uint32_t count) {
+    RowSelect s;
+    s.prefix = 0u, s.low_bits = 32, s.need = need, s.count = count;
+    return s;
+  }
   __device__ __forceinline__ bool done() const { return need == count || low_bits == 0; }
   __device__ __forceinline__ bool matches(uint32_t u) const {
     return (uint64_t(u) >> low_bits) == (uint64_t(prefix) >> low_bits);
