@@ -196,6 +196,16 @@ struct KeyRowFeeder {
           *reinterpret_cast<cute::uint128_t*>(dst), b.valid[r]);
     }
   }
+
+  // A stage handed over: once its readers have freed it (`empty`, the
+  // opposite of the fill's phase), dim tile `dt` of the block's rows is
+  // copied into it; `full` fires when this thread's copies have landed.
+  __device__ __forceinline__ void fill_stage(bf16* stage, uint64_t* empty, uint64_t* full, uint32_t free_parity,
+                                             const BlockRows& b, int dt) const {
+    cutlass::arch::ClusterBarrier::wait(empty, free_parity);
+    copy_tile(stage, b, dt);
+    cutlass::arch::cpasync_barrier_arrive_noinc(full);
+  }
 };
 
 // kFeeders threads feed consumer `consumer`'s ring (`stages`: its kStages
@@ -225,9 +235,8 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
     if (block + kLookahead * Ring::kConsumers < num_blocks)
       f.load_indices(block + kLookahead * Ring::kConsumers, ahead[kLookahead - 1]);
     for (int dt = 0; dt < Feeder::kDimTiles; ++dt) {
-      cutlass::arch::ClusterBarrier::wait(&ring.empty[consumer][pos.stage], pos.phase ^ 1);
-      f.copy_tile(stages + pos.stage * Ring::kStageElems, rows, dt);
-      cutlass::arch::cpasync_barrier_arrive_noinc(&ring.full[consumer][pos.stage]);
+      f.fill_stage(stages + pos.stage * Ring::kStageElems, &ring.empty[consumer][pos.stage],
+                   &ring.full[consumer][pos.stage], pos.phase ^ 1, rows, dt);
       pos.advance();
     }
   }

@@ -206,11 +206,9 @@ __device__ __forceinline__ void gather_block_pairs(typename Cfg::SharedMemoryPla
   const int num_blocks = slots.num_blocks();
   auto copy_tiles = [&](int buffer, const typename Feeder::BlockRows& rows, int first, int end,
                         uint32_t free_parity) {
-    for (int dt = first; dt < end; ++dt) {
-      cutlass::arch::ClusterBarrier::wait(&plan.ring.empty[buffer][dt], free_parity);
-      f.copy_tile(plan.kv[buffer] + dt * Ring::kStageElems, rows, dt);
-      cutlass::arch::cpasync_barrier_arrive_noinc(&plan.ring.full[buffer][dt]);
-    }
+    for (int dt = first; dt < end; ++dt)
+      f.fill_stage(plan.kv[buffer] + dt * Ring::kStageElems, &plan.ring.empty[buffer][dt], &plan.ring.full[buffer][dt],
+                   free_parity, rows, dt);
   };
 
   int32_t ahead[2][Feeder::kRows];  // the next pair's slot indices, loaded a pair ahead
