@@ -11,7 +11,7 @@
 //   WG0 computes S = Q.K^T of the even blocks, WG1 of the odd ones; each
 //   consumer owns half of the output dims (WG0: 0..255, WG1: 256..511) and
 //   multiplies every block's P into its half, both P tiles from shared
-//   memory. The running row max is exchanged through shared memory once per
+//   memory. The softmax's reference (steps.cuh) is exchanged through shared memory once per
 //   block pair, so both halves share one softmax.
 //   WG2 gathers the key rows (all 128 threads, both buffers by half blocks)
 //   and loads Q by TMA.
@@ -39,9 +39,9 @@ constexpr int kVTilesPerConsumer = kDvPerConsumer / kDimTile;
 
 // setmaxnreg budgets within the launch allocation (65536 / 384 = 170 a
 // thread): the consumers hold a 64x256 f32 output half (128 registers) and
-// a 64x64 score block (32).
-constexpr int kConsumerRegs = 216;
-constexpr int kProducerRegs = 72;
+// a 64x64 score block (32); the producer needs about 36.
+constexpr int kConsumerRegs = 224;
+constexpr int kProducerRegs = 56;
 static_assert(register_budgets_fit(kThreads, kCtasPerSm, kNumConsumers * kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
                                    kProducerRegs),
               "setmaxnreg budgets exceed the CTA's register allocation");
@@ -49,7 +49,7 @@ static_assert(register_budgets_fit(kThreads, kCtasPerSm, kNumConsumers * kWarpgr
 // Named barriers between the two consumers (ids above CUTLASS's reserved ones).
 enum Barrier : uint32_t {
   kMaxOfEvenReady = 0,  // WG0 published the row max after its block
-  kMaxOfPairReady = 1,  // WG1 published the row max after the pair
+  kMaxOfPairReady = 1,  // WG1 published the reference after the pair
   kEvenPReady = 2,      // WG0 wrote its (rescaled) P to shared memory
   kOddPReady = 3,       // WG1 wrote its P to shared memory
   kRowSumsReady = 4,    // both published their row sums; Q is no longer read
@@ -135,7 +135,7 @@ struct FwdConfig {
     // Per pair parity, defensively: the named barriers already order each
     // write after the other consumer's read of the pair before.
     float max_of_even[2][HT];     // row max after the even block of a pair (WG0 -> WG1)
-    float max_of_pair[2][HT];     // row max after the pair (WG1 -> WG0)
+    float max_of_pair[2][HT];     // the reference after the pair (WG1 -> WG0)
     float row_sum[kNumConsumers][HT];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment

@@ -2,12 +2,13 @@
 // and the shared-memory plan: config.h; the consumers' steps: steps.cuh).
 //
 // Per block pair (even block in buffer 0, odd block in buffer 1):
-//   WG0: S0 = Q.K0^T; m0 = max(m, row max of S0); publish m0.
-//   WG1: S1 = Q.K1^T; m1 = max(m0, row max of S1); publish m1 (the pair's max).
-//   Both: rescale O and the row sums from m to m1; P = exp2(S - m1) as bf16
-//        into the block's shared P tile;
+//   WG0: S0 = Q.K0^T; m0 = max(r, row max of S0); publish m0.
+//   WG1: S1 = Q.K1^T; m1 = max(m0, row max of S1); publish the reference r'
+//        (r, or m1 where m1 passes r by more than kRescaleThreshold).
+//   Both: rescale O and the row sums from r to r' (where it moved); P =
+//        exp2(S - r') as bf16 into the block's shared P tile;
 //   WG0: O[:, 0:256] += P0 . V0 + P1 . V1;  WG1: O[:, 256:512] += P1 . V1 + P0 . V0.
-// Both end with the same row max; their row sums add up to the softmax
+// Both end with the same reference; their row sums add up to the softmax
 // denominator, and each stores its half of the output.
 #pragma once
 
@@ -53,7 +54,7 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     release<Cfg>(plan, 0, kVTilesPerConsumer, kValueTiles - kVTilesPerConsumer, lane);  // WG1's value tiles
 
     float even_max[2];
-    mask_scale_row_max(accS, valid_slot_mask(c.slots, slots), p.scale_log2, even_max, lane);
+    mask_row_max(accS, valid_slot_mask(c.slots, slots), p.scale_log2, even_max, lane);
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       even_max[rh] = fmaxf(st.row_max[rh], even_max[rh]);
@@ -63,9 +64,9 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     NamedBarrier::sync(kPairThreads, kMaxOfPairReady);
     float pair_max[2];
     CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh) pair_max[rh] = plan.max_of_pair[phase][row0 + 8 * rh];
+    for (int rh = 0; rh < 2; ++rh) pair_max[rh] = plan.max_of_pair[phase][row0 + 8 * rh];  // the reference
     rescale_to(st, pair_max);
-    publish_p(plan, st, accS, pair_max, 0, kEvenPStored, kEvenPReady, warp, lane);
+    publish_p(plan, st, accS, pair_max, p.scale_log2, 0, kEvenPStored, kEvenPReady, warp, lane);
     issue_pv<Cfg>(plan, 0, 0, st.accO, thread);
     if (has_odd) {
       NamedBarrier::sync(kPairThreads, kOddPReady);
@@ -107,19 +108,19 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
       warpgroup_wait<0>();
       release<Cfg>(plan, 1, 0, kVTilesPerConsumer, lane);  // WG0's value tiles
       if constexpr (Cfg::kHasRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // S1 alone reads it
-      mask_scale_row_max(accS, valid_slot_mask(c.slots, slots), p.scale_log2, odd_max, lane);
+      mask_row_max(accS, valid_slot_mask(c.slots, slots), p.scale_log2, odd_max, lane);
     }
     NamedBarrier::sync(kPairThreads, kMaxOfEvenReady);
     float pair_max[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      pair_max[rh] = fmaxf(plan.max_of_even[phase][row0 + 8 * rh], odd_max[rh]);
+      pair_max[rh] = next_reference(st.row_max[rh], fmaxf(plan.max_of_even[phase][row0 + 8 * rh], odd_max[rh]));
       if (lane % 4 == 0) plan.max_of_pair[phase][row0 + 8 * rh] = pair_max[rh];
     }
     NamedBarrier::arrive(kPairThreads, kMaxOfPairReady);
     rescale_to(st, pair_max);
     if (has_odd) {
-      publish_p(plan, st, accS, pair_max, 1, kOddPStored, kOddPReady, warp, lane);
+      publish_p(plan, st, accS, pair_max, p.scale_log2, 1, kOddPStored, kOddPReady, warp, lane);
       issue_pv<Cfg>(plan, 1, 1, st.accO, thread);
     }
     NamedBarrier::sync(kPairThreads, kEvenPReady);

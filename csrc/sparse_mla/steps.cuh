@@ -73,14 +73,16 @@ __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& pla
       plan.q, plan.q_ready, plan.kv[buffer], plan.ring.full[buffer], phase, first_block, accS, thread);
 }
 
-// Invalid slots' scores become -inf, the others are scaled to base 2; returns
-// the block's max of this thread's two rows (quad-reduced).
+// Invalid slots' scores become -inf (the others stay unscaled: the scale is
+// folded into the exponent); returns the block's max of this thread's two
+// rows in base 2 (quad-reduced). sm_scale > 0, so the max of the scaled
+// scores is the scaled max.
 template <class Acc>
-__device__ __forceinline__ void mask_scale_row_max(Acc& accS, uint64_t valid, float scale_log2,
-                                                   float (&row_max)[2], int lane) {
+__device__ __forceinline__ void mask_row_max(Acc& accS, uint64_t valid, float scale_log2, float (&row_max)[2],
+                                             int lane) {
   row_max[0] = row_max[1] = -INFINITY;
   for_each_acc_element(lane, [&](int i, int rh, int col) {
-    const float x = (valid >> col) & 1 ? accS(i) * scale_log2 : -INFINITY;
+    const float x = (valid >> col) & 1 ? accS(i) : -INFINITY;
     accS(i) = x;
     row_max[rh] = fmaxf(row_max[rh], x);
   });
@@ -88,21 +90,33 @@ __device__ __forceinline__ void mask_scale_row_max(Acc& accS, uint64_t valid, fl
   for (int rh = 0; rh < 2; ++rh) {
     row_max[rh] = fmaxf(row_max[rh], __shfl_xor_sync(0xffffffffu, row_max[rh], 1));
     row_max[rh] = fmaxf(row_max[rh], __shfl_xor_sync(0xffffffffu, row_max[rh], 2));
+    row_max[rh] *= scale_log2;
   }
 }
 
-// P = exp2(S - max) in place, added to this thread's share of the row sums.
+// P = exp2(S scale_log2 - ref) in place, added to this thread's share of the
+// row sums.
 template <class Acc>
-__device__ __forceinline__ void exponentiate(Acc& accS, const float (&row_max)[2], float (&row_sum)[2]) {
+__device__ __forceinline__ void exponentiate(Acc& accS, const float (&ref)[2], float scale_log2,
+                                             float (&row_sum)[2]) {
   float offset[2];
   CUTE_UNROLL
-  for (int rh = 0; rh < 2; ++rh) offset[rh] = row_max[rh] == -INFINITY ? 0.f : -row_max[rh];
+  for (int rh = 0; rh < 2; ++rh) offset[rh] = ref[rh] == -INFINITY ? 0.f : -ref[rh];
   CUTE_UNROLL
   for (int i = 0; i < size(accS); ++i) {
     const int rh = (i >> 1) & 1;
-    accS(i) = fast_exp2(accS(i) + offset[rh]);
+    accS(i) = fast_exp2(fmaf(accS(i), scale_log2, offset[rh]));
     row_sum[rh] += accS(i);
   }
+}
+
+// The softmax's reference (the max it exponentiates against) moves only when
+// a row max passes it by more than this (base 2): P stays <= 2^8, exact in
+// bf16's relative precision, and O is rescaled only in the rare pairs that
+// move it.
+constexpr float kRescaleThreshold = 8.f;
+__device__ __forceinline__ float next_reference(float ref, float pair_max) {
+  return pair_max > ref + kRescaleThreshold ? pair_max : ref;
 }
 
 template <class Acc>
@@ -145,26 +159,28 @@ using cutlass::arch::NamedBarrier;
 // block's scores into P (relative to it) and publish P for both consumers.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void publish_p(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
-                                          Acc& accS, const float (&pair_max)[2], int buffer, uint32_t stored_barrier,
-                                          uint32_t ready_barrier, int warp, int lane) {
+                                          Acc& accS, const float (&ref)[2], float scale_log2, int buffer,
+                                          uint32_t stored_barrier, uint32_t ready_barrier, int warp, int lane) {
   Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
-  exponentiate(accS, pair_max, st.row_sum);
+  exponentiate(accS, ref, scale_log2, st.row_sum);
   store_acc_tile(sP, accS, 16 * warp + lane / 4, lane);
   cutlass::arch::fence_view_async_shared();  // WGMMAs read P through the async proxy
   NamedBarrier::arrive(kPairThreads, ready_barrier);          // for the other consumer
   NamedBarrier::sync(kWarpgroupThreads, stored_barrier);     // for this one's own WGMMA
 }
 
+// The reference moves to `ref` (the same in both consumers): O and the row
+// sums follow, O only where a row of this warp moved (a warp-uniform test).
 template <class Cfg>
-__device__ __forceinline__ void rescale_to(ConsumerState<Cfg>& st, const float (&pair_max)[2]) {
+__device__ __forceinline__ void rescale_to(ConsumerState<Cfg>& st, const float (&ref)[2]) {
   float factor[2];
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
-    factor[rh] = exp2_diff(st.row_max[rh], pair_max[rh]);
+    factor[rh] = exp2_diff(st.row_max[rh], ref[rh]);
     st.row_sum[rh] *= factor[rh];
-    st.row_max[rh] = pair_max[rh];
+    st.row_max[rh] = ref[rh];
   }
-  rescale_rows(st.accO, factor);
+  if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) rescale_rows(st.accO, factor);
 }
 
 }  // namespace sparse_mla
