@@ -149,14 +149,16 @@ __device__ __forceinline__ void issue_pv(typename Cfg::SharedMemoryPlan& plan, i
 template <class Cfg>
 struct ConsumerState {
   decltype(partition_fragment_C(typename Cfg::MmaPV{}, Shape<Int<Cfg::HT>, Int<kDvPerConsumer>>{})) accO;
-  float row_max[2] = {-INFINITY, -INFINITY};  // base 2; -inf while no valid slot
+  // The softmax's reference (base 2): the running row max, or up to
+  // kRescaleThreshold below it; -inf while no valid slot.
+  float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 };
 
 using cutlass::arch::NamedBarrier;
 
-// The pair's row max is known: rescale what came before to it, turn this
-// block's scores into P (relative to it) and publish P for both consumers.
+// The pair's reference is known (and O rescaled to it): turn this block's
+// scores into P (relative to it) and publish P for both consumers.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void publish_p(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
                                           Acc& accS, const float (&ref)[2], float scale_log2, int buffer,
