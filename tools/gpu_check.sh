@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [bench-new] [sanitize] [sanitize-det] [sanitize-packed] [sanitize-new] [sanitize-bwd] [ncu] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [bench-new] [sanitize] [sanitize-det] [sanitize-packed] [sanitize-new] [sanitize-bwd] [timeline] [ncu] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 #
@@ -114,6 +114,16 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
       for tool in racecheck synccheck; do
         run "sanitize-$tool-sparse_mla_bwd" compute-sanitizer --tool "$tool" --kernel-name kns=sparse_mla_bwd_kernel \
           --error-exitcode 9 python3 tests/support/sanitizer_run.py sparse_mla_bwd
+      done ;;
+    timeline)  # a build with the step marks (common/timeline.cuh), in a directory of its own so that
+               # nothing else picks it up; the forward's and the backward's schedules at mla-v32-h128
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+      run timeline-build env PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps \
+        --target /tmp/timeline_site -C build-dir=/tmp/timeline_build \
+        -C cmake.define.CMAKE_CUDA_FLAGS=-DJAX_ATTN_DIST_TIMELINE . || exit 1
+      for which in fwd bwd; do
+        run "timeline-$which" env PYTHONPATH=/tmp/timeline_site:/tmp/site python3 tools/timeline.py mla-v32-h128 \
+          "$which" --save "$OUT/timeline_$which.npz"
       done ;;
     ncu)
       for shape in v32-h128 v32-h64 idx-v32; do

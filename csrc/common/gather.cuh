@@ -208,14 +208,20 @@ struct KeyRowFeeder {
   }
 };
 
+// Nothing to do when a stage has been filled (the sparse MLA backward's
+// timeline build marks it).
+struct NoFilledMark {
+  __device__ __forceinline__ void operator()(int, int) const {}
+};
+
 // kFeeders threads feed consumer `consumer`'s ring (`stages`: its kStages
 // stage buffers) with the key rows of its blocks, kDims / 64 stages per block,
-// in dim order. The slot indices are loaded kLookahead of this ring's blocks
-// ahead.
-template <class Ring, int kDims, int kLookahead = 1>
+// in dim order; on_filled(block, dim tile) follows each stage's copies. The
+// slot indices are loaded kLookahead of this ring's blocks ahead.
+template <class Ring, int kDims, int kLookahead = 1, class OnFilled = NoFilledMark>
 __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::Barriers& ring,
                                                   const RowSlots& slots, const bf16* keys, int consumer,
-                                                  int feeder) {
+                                                  int feeder, OnFilled on_filled = {}) {
   using Feeder = KeyRowFeeder<Ring, kDims>;
   const Feeder f(slots, keys, feeder);
   const int num_blocks = slots.num_blocks();
@@ -237,6 +243,7 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
     for (int dt = 0; dt < Feeder::kDimTiles; ++dt) {
       f.fill_stage(stages + pos.stage * Ring::kStageElems, &ring.empty[consumer][pos.stage],
                    &ring.full[consumer][pos.stage], pos.phase ^ 1, rows, dt);
+      on_filled(block, dt);
       pos.advance();
     }
   }

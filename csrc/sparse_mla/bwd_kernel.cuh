@@ -27,6 +27,7 @@
 #include "../common/fixed_point.cuh"
 #include "../common/gather.cuh"
 #include "../common/host.h"
+#include "../common/timeline.cuh"
 #include "bwd_config.h"
 #include "bwd_steps.cuh"
 #include "row.cuh"
@@ -36,6 +37,34 @@ namespace sparse_mla {
 
 using namespace cute;
 using cutlass::arch::NamedBarrier;
+
+// Timeline events of a block (a timeline build only, common/timeline.cuh;
+// tools/timeline.py reads these names). WG0's and WG1's steps differ from
+// event 3 on; a dKV tile's event is kDkvTileDone + i for value tile i of the
+// warpgroup's, + (its value tile count) for the rope tile.
+enum ScoresMark : int {
+  kScoresTop,
+  kScoresLanded,      // the block's first key stage landed
+  kScoresDone,        // S completed
+  kScoresPFree,       // WG1's dKV products no longer read the last P
+  kScoresPStored,     // P stored and published
+  kScoresDsReady,     // WG1's dS published
+  kScoresDqDone,      // its dQ products completed
+  kScoresDkvStart,    // its dQ stages and landing freed, its dKV tiles begin
+  kScoresDkvTileDone,
+};
+enum GradsMark : int {
+  kGradsTop,
+  kGradsLanded,       // the block's first key stage landed
+  kGradsDpDone,       // dP completed
+  kGradsPReady,       // WG0's P published
+  kGradsDsFree,       // WG0's dKV products no longer read the last dS
+  kGradsDsStored,     // dS stored and published
+  kGradsDqDone,
+  kGradsDkvStart,
+  kGradsDkvTileDone,
+};
+enum GatherMark : int { kStageFilled = 0 /* + dim tile: its stage freed and its copies issued */ };
 
 // WG0: scores and P; dQ over value tiles 0..3 and the rope tile; its dKV tiles.
 template <class Cfg>
@@ -53,28 +82,37 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
   const int num_blocks = c.slots.num_blocks();
   CUTE_NO_UNROLL
   for (int block = 0; block < num_blocks; ++block) {
+    auto mark = [&](int event) { timeline::mark(thread == 0, 0, block, event); };
+    mark(kScoresTop);
     const uint32_t phase = block & 1;
     const BlockSlots slots = load_block_slots(c.slots, block, lane);
-    issue_scores<Cfg, typename Cfg::SmemLayoutQ>(plan, plan.q, plan.q_ready, phase, block == 0, accS, thread);
+    issue_scores<Cfg, typename Cfg::SmemLayoutQ>(plan, plan.q, plan.q_ready, phase, block == 0, accS, thread,
+                                                 [&](int i) { if (i == 0) mark(kScoresLanded); });
     const KeyRows rows = block_key_rows<Cfg>(p, c, block, thread);
     warpgroup_wait<0>();
+    mark(kScoresDone);
     release_dq_stages<Cfg>(plan, role, lane);  // WG1's dQ tiles
     scores_to_p(accS, valid_slot_mask(c.slots, slots), p.scale_log2, lse2, lane);
     if (block > 0) NamedBarrier::sync(bwd::kPairThreads, bwd::kWg1DkvDone);  // WG1 no longer reads P
+    mark(kScoresPFree);
     store_tile<Cfg>(plan.p, accS, thread);
     NamedBarrier::arrive(bwd::kPairThreads, bwd::kPReady);
+    mark(kScoresPStored);
     NamedBarrier::sync(bwd::kPairThreads, bwd::kDsReady);
+    mark(kScoresDsReady);
     issue_dq<Cfg, typename Cfg::MmaDq4, typename Cfg::SmemLayoutK4T>(plan, 0, accDq, thread);
     if constexpr (Cfg::kRopeTiles > 0)
       issue_dq<Cfg, typename Cfg::MmaDq1, typename Cfg::SmemLayoutTileT>(plan, bwd::kValueTiles, accDqRope, thread);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
+    mark(kScoresDqDone);
     release_stages<Cfg>(plan, 0, bwd::kDqTilesPerConsumer, lane);
     if constexpr (Cfg::kRopeTiles > 0) release_stages<Cfg>(plan, bwd::kValueTiles, Cfg::kRopeTiles, lane);
     landing_free_after_dq(plan.send_free, role, lane);
     if (block == 0) wait_tiles_landed(plan.dout_ready, bwd::kValueTiles);  // P^T.dO reads dO, which WG1 waited for
+    mark(kScoresDkvStart);
     dkv_tiles<Cfg>(plan, p, rows, true, 0, Cfg::kWg0ValueTiles, block + 1 < num_blocks, bwd::kWg0DkvDone,
-                   fixed, role, thread);
+                   fixed, role, thread, [&](int i) { mark(kScoresDkvTileDone + i); });
   }
   store_dq<Cfg>(p, c, accDq, 0, thread);
   if constexpr (Cfg::kRopeTiles > 0) store_dq<Cfg>(p, c, accDqRope, bwd::kDv, thread);
@@ -94,27 +132,36 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
   const int num_blocks = c.slots.num_blocks();
   CUTE_NO_UNROLL
   for (int block = 0; block < num_blocks; ++block) {
+    auto mark = [&](int event) { timeline::mark(thread == 0, 1, block, event); };
+    mark(kGradsTop);
     const uint32_t phase = block & 1;
     issue_scores<Cfg, typename Cfg::SmemLayoutDO>(plan, plan.dout, plan.dout_ready, phase, block == 0, accDp,
-                                                  thread);
+                                                  thread, [&](int i) { if (i == 0) mark(kGradsLanded); });
     const KeyRows rows = block_key_rows<Cfg>(p, c, block, thread);
     warpgroup_wait<0>();
+    mark(kGradsDpDone);
     release_stages<Cfg>(plan, 0, bwd::kDqTilesPerConsumer, lane);  // WG0's dQ tiles (the rope stage is WG0's alone)
     NamedBarrier::sync(bwd::kPairThreads, bwd::kPReady);
+    mark(kGradsPReady);
     dp_to_ds<Cfg>(plan, accDp, delta, p.sm_scale, thread);
     if (block > 0) NamedBarrier::sync(bwd::kPairThreads, bwd::kWg0DkvDone);  // WG0 no longer reads dS
+    mark(kGradsDsFree);
     store_tile<Cfg>(plan.ds, accDp, thread);
     NamedBarrier::arrive(bwd::kPairThreads, bwd::kDsReady);
+    mark(kGradsDsStored);
     NamedBarrier::sync(kWarpgroupThreads, bwd::kDsStored);  // for this warpgroup's own WGMMAs
     issue_dq<Cfg, typename Cfg::MmaDq4, typename Cfg::SmemLayoutK4T>(plan, bwd::kDqTilesPerConsumer, accDq,
                                                                           thread);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
+    mark(kGradsDqDone);
     release_dq_stages<Cfg>(plan, role, lane);
     landing_free_after_dq(plan.send_free, role, lane);
     if (block == 0) wait_tiles_landed(plan.q_ready, Cfg::kDimTiles);  // dS^T.Q reads Q, which WG0 waited for
+    mark(kGradsDkvStart);
     dkv_tiles<Cfg>(plan, p, rows, false, Cfg::kWg0ValueTiles, bwd::kValueTiles - Cfg::kWg0ValueTiles,
-                   block + 1 < num_blocks, bwd::kWg1DkvDone, fixed, role, thread);
+                   block + 1 < num_blocks, bwd::kWg1DkvDone, fixed, role, thread,
+                   [&](int i) { mark(kGradsDkvTileDone + i); });
   }
   store_dq<Cfg>(p, c, accDq, bwd::kDqValueDims, thread);
 }
@@ -132,6 +179,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
   const CtaProblem cta = locate_cta<Cfg>(params);
+  timeline::mark_start();
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < Cfg::kDimTiles; ++i) cutlass::arch::ClusterTransactionBarrier::init(&plan.q_ready[i], 1);
@@ -160,7 +208,11 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       load_head_tile_by_tma<Cfg::HT, bwd::kValueTiles>(plan.dout, plan.dout_ready, &tma.dout, cta);
     }
     const bf16* keys = static_cast<const bf16*>(params.kv) + int64_t(cta.batch) * params.s_kv * Cfg::D;
-    gather_key_blocks<typename Cfg::Ring, Cfg::D>(plan.kv, plan.ring, cta.slots, keys, 0, thread_in_wg);
+    gather_key_blocks<typename Cfg::Ring, Cfg::D>(plan.kv, plan.ring, cta.slots, keys, 0, thread_in_wg,
+                                                  [&](int block, int dt) {
+                                                    timeline::mark(thread_in_wg == 0, 2, block, kStageFilled + dt);
+                                                  });
+    timeline::mark_end(thread_in_wg == 0, bwd::kNumConsumers);
   } else {
     cutlass::arch::warpgroup_reg_alloc<bwd::kConsumerRegs>();
     FixedTerms fixed;
@@ -173,6 +225,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     PairRole role = pair_role(paired, warpgroup);
     if (warpgroup == 0) consume_scores<Cfg>(plan, params, cta, fixed, role, thread_in_wg);
     else consume_grads<Cfg>(plan, params, cta, fixed, role, thread_in_wg);
+    timeline::mark_end(thread_in_wg == 0, warpgroup);
   }
   // Neither CTA of a pair may exit while the other can still reach its shared memory.
   if (paired) cute::cluster_sync();
@@ -196,10 +249,13 @@ LaunchStatus run_bwd_variant(const SparseMlaBwdParams& p, cudaStream_t stream, c
   if (LaunchStatus s = encode_head_tile_map(&tma.dout, p.dout, bwd::kDv, p.h_q, p.s_q, p.batch, Cfg::HT, detail);
       s != LaunchStatus::kOk)
     return s;
-  return launch_kernel_clustered(&sparse_mla_bwd_kernel<Cfg>,
-                                 int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q),
-                                 Cfg::paired_head_tiles(p.h_q) ? 2u : 1u, bwd::kThreads, Cfg::kSmemBytes, stream,
-                                 detail, p, tma);
+  const timeline::Recorder timeline(stream);
+  const LaunchStatus status = launch_kernel_clustered(&sparse_mla_bwd_kernel<Cfg>,
+                                                      int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q),
+                                                      Cfg::paired_head_tiles(p.h_q) ? 2u : 1u, bwd::kThreads,
+                                                      Cfg::kSmemBytes, stream, detail, p, tma);
+  timeline.write(stream);
+  return status;
 }
 
 }  // namespace sparse_mla

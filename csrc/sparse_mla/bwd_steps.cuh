@@ -63,12 +63,12 @@ __device__ __forceinline__ void load_lse2(const SparseMlaBwdParams& p, const Cta
 
 // acc = A.K^T over A's dim tiles of the block (A: Q, all D, or dO, the values; whose
 // tiles land by TMA before the first block); issued and committed, not waited for.
-template <class Cfg, class LayoutA, class Acc>
+template <class Cfg, class LayoutA, class Acc, class OnLanded = NoLandedMark>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, const bf16* a_smem,
                                              uint64_t* a_ready, uint32_t phase, bool first_block, Acc& acc,
-                                             int thread) {
+                                             int thread, OnLanded on_landed = {}) {
   issue_block_scores<typename Cfg::MmaScores, LayoutA, typename Cfg::Ring::SmemLayout>(
-      a_smem, a_ready, plan.kv, plan.ring.full[0], phase, first_block, acc, thread);
+      a_smem, a_ready, plan.kv, plan.ring.full[0], phase, first_block, acc, thread, on_landed);
 }
 
 // S -> P in place: exp2(S scale_log2 - lse2) on valid slots of heads with a
@@ -463,18 +463,20 @@ __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& 
 // value tiles [first_value, first_value + num_values), each computed, waited
 // for and added into the kv gradient (in a pair: merged, half by each rank).
 // `done_barrier` is arrived at once the last WGMMA that reads P and dS has
-// completed (if another block follows).
-template <class Cfg>
+// completed (if another block follows). on_tile_done(i) follows the i-th
+// tile's merge (the timeline build marks it).
+template <class Cfg, class OnTileDone = NoLandedMark>
 __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                           const KeyRows& rows, bool with_rope, int first_value, int num_values,
                                           bool more_blocks, uint32_t done_barrier, const FixedTerms& fixed,
-                                          PairRole& role, int thread) {
+                                          PairRole& role, int thread, OnTileDone on_tile_done = {}) {
   Tensor acc = partition_fragment_C(typename Cfg::MmaDkv{}, Shape<Int<kBlockTopk>, Int<kDimTile>>{});
   if constexpr (Cfg::kRopeTiles > 0) {
     if (with_rope) {
       issue_dkv_tile<Cfg, false>(plan, bwd::kValueTiles, acc, thread);
       warpgroup_wait<0>();
       finish_dkv_tile<Cfg>(plan, p, acc, rows, bwd::kValueTiles, fixed, role, num_values == 0, thread);
+      on_tile_done(num_values);
     }
   }
   CUTE_NO_UNROLL
@@ -484,6 +486,7 @@ __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, 
     warpgroup_wait<0>();
     if (t + 1 == num_values && more_blocks) NamedBarrier::arrive(bwd::kPairThreads, done_barrier);
     finish_dkv_tile<Cfg>(plan, p, acc, rows, tile, fixed, role, t + 1 == num_values, thread);
+    on_tile_done(t);
   }
 }
 

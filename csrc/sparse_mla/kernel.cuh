@@ -26,6 +26,7 @@
 #include "../common/gather.cuh"
 #include "../common/host.h"
 #include "../common/slot_validity.cuh"
+#include "../common/timeline.cuh"
 #include "config.h"
 #include "row.cuh"
 #include "steps.cuh"
@@ -34,6 +35,31 @@ namespace attn_dist {
 namespace sparse_mla {
 
 using namespace cute;
+
+// Timeline events of a consumer's pair, and of the producer's (a timeline
+// build only, common/timeline.cuh; tools/timeline.py reads these names).
+enum ConsumerMark : int {
+  kMarkTop,              // the pair's loop top
+  kMarkLanded,           // the first key tile its scores read has landed
+  kMarkLandedHalf,       // ... and the fifth
+  kMarkScoresDone,       // its block's scores completed
+  kMarkMaxExchanged,     // WG0: its max published; WG1: WG0's received
+  kMarkReference,        // WG0: the pair's reference received; WG1: published
+  kMarkPPublished,       // its P stored and published
+  kMarkOwnPvIssued,      // the P.V of its own block issued
+  kMarkOtherPReady,      // the other consumer's P ready
+  kMarkOtherLanded,      // the other block's value half landed
+  kMarkOtherPvIssued,    // the other block's P.V issued
+  kMarkFirstPvDone,      // the first P.V completed
+  kMarkPvDone,           // both completed
+};
+enum ProducerMark : int {  // the pair's halves in fill order: its first stage freed, its copies issued
+  kMarkHalf0Freed, kMarkHalf0Issued,  // buffer 0, tiles 0..3
+  kMarkHalf1Freed, kMarkHalf1Issued,  // buffer 1, tiles 4..
+  kMarkHalf2Freed, kMarkHalf2Issued,  // buffer 0, tiles 4..
+  kMarkHalf3Freed, kMarkHalf3Issued,  // buffer 1, tiles 0..3
+  kMarkProducerTop,                   // the pair's loop top
+};
 
 // WG0: the even blocks' scores, output dims 0..255.
 template <class Cfg>
@@ -48,9 +74,15 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
   for (int block = 0; block < num_blocks; block += 2) {
     const uint32_t phase = (block / 2) & 1;
     const bool has_odd = block + 1 < num_blocks;
+    const int pair = block / 2;
+    auto mark = [&](int event) { timeline::mark(thread == 0, 0, pair, event); };
+    mark(kMarkTop);
     const BlockSlots slots = load_block_slots(c.slots, block, lane);
-    issue_scores<Cfg>(plan, 0, phase, block == 0, accS, thread);
+    issue_scores<Cfg>(plan, 0, phase, block == 0, accS, thread, [&](int i) {
+      if (i == 0 || i == kVTilesPerConsumer) mark(i == 0 ? kMarkLanded : kMarkLandedHalf);
+    });
     warpgroup_wait<0>();
+    mark(kMarkScoresDone);
     release<Cfg>(plan, 0, kVTilesPerConsumer, kValueTiles - kVTilesPerConsumer, lane);  // WG1's value tiles
 
     float even_max[2];
@@ -60,18 +92,25 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
       even_max[rh] = fmaxf(st.row_max[rh], even_max[rh]);
       if (lane % 4 == 0) plan.max_of_even[phase][row0 + 8 * rh] = even_max[rh];
     }
+    mark(kMarkMaxExchanged);
     NamedBarrier::arrive(kPairThreads, kMaxOfEvenReady);
     NamedBarrier::sync(kPairThreads, kMaxOfPairReady);
+    mark(kMarkReference);
     float pair_max[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) pair_max[rh] = plan.max_of_pair[phase][row0 + 8 * rh];  // the reference
     rescale_to(st, pair_max);
     publish_p(plan, st, accS, pair_max, p.scale_log2, 0, kEvenPStored, kEvenPReady, warp, lane);
+    mark(kMarkPPublished);
     issue_pv<Cfg>(plan, 0, 0, st.accO, thread);
+    mark(kMarkOwnPvIssued);
     if (has_odd) {
       NamedBarrier::sync(kPairThreads, kOddPReady);
+      mark(kMarkOtherPReady);
       wait_landed<Cfg>(plan, 1, 0, kVTilesPerConsumer, phase);
+      mark(kMarkOtherLanded);
       issue_pv<Cfg>(plan, 1, 0, st.accO, thread);
+      mark(kMarkOtherPvIssued);
     } else {
       // An empty group, so that the wait below means P0 . V0 on both paths
       // (fenced as a group with products would be, or ptxas adds the fence).
@@ -81,8 +120,10 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     // P0 . V0 is done before P1 . V1: its stages go back to the gather of the
     // next even block while P1 . V1 runs.
     warpgroup_wait<1>();
+    mark(kMarkFirstPvDone);
     release_after_pv<Cfg>(plan, 0, 0, lane);
     warpgroup_wait<0>();  // on every path (a wait that depends on has_odd makes ptxas add its own)
+    mark(kMarkPvDone);
     if (has_odd) {
       release_after_pv<Cfg>(plan, 1, 0, lane);
     }
@@ -101,16 +142,23 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
   for (int block = 0; block < num_blocks; block += 2) {
     const uint32_t phase = (block / 2) & 1;
     const bool has_odd = block + 1 < num_blocks;
+    const int pair = block / 2;
+    auto mark = [&](int event) { timeline::mark(thread == 0, 1, pair, event); };
+    mark(kMarkTop);
     float odd_max[2] = {-INFINITY, -INFINITY};
     if (has_odd) {
       const BlockSlots slots = load_block_slots(c.slots, block + 1, lane);
-      issue_scores<Cfg, Cfg::kOddFirstTile>(plan, 1, phase, block == 0, accS, thread);
+      issue_scores<Cfg, Cfg::kOddFirstTile>(plan, 1, phase, block == 0, accS, thread, [&](int i) {
+        if (i == 0 || i == Cfg::kDimTiles - kVTilesPerConsumer) mark(i == 0 ? kMarkLanded : kMarkLandedHalf);
+      });
       warpgroup_wait<0>();
+      mark(kMarkScoresDone);
       release<Cfg>(plan, 1, 0, kVTilesPerConsumer, lane);  // WG0's value tiles
       if constexpr (Cfg::kHasRopeTile) release<Cfg>(plan, 1, Cfg::kDimTiles - 1, 1, lane);  // S1 alone reads it
       mask_row_max(accS, valid_slot_mask(c.slots, slots), p.scale_log2, odd_max, lane);
     }
     NamedBarrier::sync(kPairThreads, kMaxOfEvenReady);
+    mark(kMarkMaxExchanged);
     float pair_max[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
@@ -118,21 +166,29 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
       if (lane % 4 == 0) plan.max_of_pair[phase][row0 + 8 * rh] = pair_max[rh];
     }
     NamedBarrier::arrive(kPairThreads, kMaxOfPairReady);
+    mark(kMarkReference);
     rescale_to(st, pair_max);
     if (has_odd) {
       publish_p(plan, st, accS, pair_max, p.scale_log2, 1, kOddPStored, kOddPReady, warp, lane);
+      mark(kMarkPPublished);
       issue_pv<Cfg>(plan, 1, 1, st.accO, thread);
+      mark(kMarkOwnPvIssued);
     }
     NamedBarrier::sync(kPairThreads, kEvenPReady);
+    mark(kMarkOtherPReady);
     wait_landed<Cfg>(plan, 0, kVTilesPerConsumer, kVTilesPerConsumer, phase);
+    mark(kMarkOtherLanded);
     issue_pv<Cfg>(plan, 0, 1, st.accO, thread);
+    mark(kMarkOtherPvIssued);
     if (has_odd) {
       // P1 . V1 is done before P0 . V0: its stages go back to the gather of
       // the next odd block while P0 . V0 runs.
       warpgroup_wait<1>();
+      mark(kMarkFirstPvDone);
       release_after_pv<Cfg>(plan, 1, kVTilesPerConsumer, lane);
     }
     warpgroup_wait<0>();
+    mark(kMarkPvDone);
     release_after_pv<Cfg>(plan, 0, kVTilesPerConsumer, lane);
   }
 }
@@ -205,11 +261,16 @@ __device__ __forceinline__ void gather_block_pairs(typename Cfg::SharedMemoryPla
   static_assert(Ring::kFeeders == kWarpgroupThreads, "every producer thread feeds both buffers");
   const Feeder f(slots, keys, feeder);
   const int num_blocks = slots.num_blocks();
-  auto copy_tiles = [&](int buffer, const typename Feeder::BlockRows& rows, int first, int end,
+  int pair = 0;
+  // The pair's k-th half (in fill order): dim tiles first .. end - 1 of `buffer`.
+  auto copy_tiles = [&](int k, int buffer, const typename Feeder::BlockRows& rows, int first, int end,
                         uint32_t free_parity) {
-    for (int dt = first; dt < end; ++dt)
+    for (int dt = first; dt < end; ++dt) {
       f.fill_stage(plan.kv[buffer] + dt * Ring::kStageElems, &plan.ring.empty[buffer][dt], &plan.ring.full[buffer][dt],
                    free_parity, rows, dt);
+      if (dt == first) timeline::mark(feeder == 0, 2, pair, kMarkHalf0Freed + 2 * k);
+    }
+    timeline::mark(feeder == 0, 2, pair, kMarkHalf0Issued + 2 * k);
   };
 
   int32_t ahead[2][Feeder::kRows];  // the next pair's slot indices, loaded a pair ahead
@@ -218,15 +279,17 @@ __device__ __forceinline__ void gather_block_pairs(typename Cfg::SharedMemoryPla
   for (int block = 0; block < num_blocks; block += 2) {
     const uint32_t free_parity = ((block / 2) & 1) ^ 1;
     const bool has_odd = block + 1 < num_blocks;
+    pair = block / 2;
+    timeline::mark(feeder == 0, 2, pair, kMarkProducerTop);
     const typename Feeder::BlockRows even = f.block_rows(ahead[0]), odd = f.block_rows(ahead[1]);
     if (block + 2 < num_blocks) {
       f.load_indices(block + 2, ahead[0]);
       f.load_indices(block + 3, ahead[1]);
     }
-    copy_tiles(0, even, 0, kVTilesPerConsumer, free_parity);
-    if (has_odd) copy_tiles(1, odd, kVTilesPerConsumer, Cfg::kDimTiles, free_parity);
-    copy_tiles(0, even, kVTilesPerConsumer, Cfg::kDimTiles, free_parity);
-    if (has_odd) copy_tiles(1, odd, 0, kVTilesPerConsumer, free_parity);
+    copy_tiles(0, 0, even, 0, kVTilesPerConsumer, free_parity);
+    if (has_odd) copy_tiles(1, 1, odd, kVTilesPerConsumer, Cfg::kDimTiles, free_parity);
+    copy_tiles(2, 0, even, kVTilesPerConsumer, Cfg::kDimTiles, free_parity);
+    if (has_odd) copy_tiles(3, 1, odd, 0, kVTilesPerConsumer, free_parity);
   }
   cute::cp_async_wait<0>();
 }
@@ -244,6 +307,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int thread_in_wg = threadIdx.x % kWarpgroupThreads;
   const CtaProblem cta = locate_cta<Cfg>(params);
+  timeline::mark_start();
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < Cfg::kDimTiles; ++i) cutlass::arch::ClusterTransactionBarrier::init(&plan.q_ready[i], 1);
@@ -261,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
     const bf16* keys = static_cast<const bf16*>(params.kv) + int64_t(cta.batch) * params.s_kv * Cfg::D;
     gather_block_pairs<Cfg>(plan, cta.slots, keys, thread_in_wg);
+    timeline::mark_end(thread_in_wg == 0, kNumConsumers);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     ConsumerState<Cfg> st;
@@ -268,6 +333,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     if (warpgroup == 0) consume_even<Cfg>(plan, params, cta, st, thread_in_wg);
     else consume_odd<Cfg>(plan, params, cta, st, thread_in_wg);
     finish<Cfg>(plan, params, cta, st, warpgroup, thread_in_wg);
+    timeline::mark_end(thread_in_wg == 0, warpgroup);
   }
 #elif defined(__CUDA_ARCH__)
   // Built for an architecture without WGMMA/setmaxnreg: fail loudly rather
@@ -294,8 +360,12 @@ LaunchStatus run_fwd_variant(const SparseMlaFwdParams& p, cudaStream_t stream, c
   if (LaunchStatus s = encode_head_tile_map(&tma.q, p.q, Cfg::D, p.h_q, p.s_q, p.batch, Cfg::HT, detail);
       s != LaunchStatus::kOk)
     return s;
-  return launch_kernel(&sparse_mla_fwd_kernel<Cfg>, int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q), kThreads,
-                       Cfg::kSmemBytes, stream, detail, p, tma);
+  const timeline::Recorder timeline(stream);
+  const LaunchStatus status = launch_kernel(&sparse_mla_fwd_kernel<Cfg>,
+                                            int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q), kThreads,
+                                            Cfg::kSmemBytes, stream, detail, p, tma);
+  timeline.write(stream);
+  return status;
 }
 
 }  // namespace sparse_mla

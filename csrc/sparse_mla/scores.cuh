@@ -17,14 +17,19 @@
 namespace attn_dist {
 namespace sparse_mla {
 
+// Nothing to do when a key stage has landed (the timeline build marks it).
+struct NoLandedMark {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+
 // Over the first size<2>(LayoutA) dim tiles, from kFirstTile on and
 // wrapping: waits for A's tile (TMA, before the first block only) and the key
-// stage (`key_full[dt]`, this block's phase), then issues its WGMMAs;
-// committed, not waited for.
-template <class Mma, class LayoutA, class LayoutK, int kFirstTile = 0, class Acc>
+// stage (`key_full[dt]`, this block's phase), calls on_landed(i) for the
+// i-th tile visited, then issues its WGMMAs; committed, not waited for.
+template <class Mma, class LayoutA, class LayoutK, int kFirstTile = 0, class Acc, class OnLanded = NoLandedMark>
 __device__ __forceinline__ void issue_block_scores(const bf16* a_smem, uint64_t* a_ready, const bf16* k_smem,
                                                    uint64_t* key_full, uint32_t phase, bool first_block, Acc& acc,
-                                                   int thread) {
+                                                   int thread, OnLanded on_landed = {}) {
   using namespace cute;
   constexpr int kTiles = size<2>(LayoutA{});
   Mma mma;
@@ -37,6 +42,7 @@ __device__ __forceinline__ void issue_block_scores(const bf16* a_smem, uint64_t*
     const int dt = (i + kFirstTile) % kTiles;  // from kFirstTile on, wrapping
     if (first_block) cutlass::arch::ClusterTransactionBarrier::wait(&a_ready[dt], 0);
     cutlass::arch::ClusterBarrier::wait(&key_full[dt], phase);
+    on_landed(i);
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tA); ++kb) {

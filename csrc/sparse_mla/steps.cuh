@@ -66,11 +66,11 @@ __device__ __forceinline__ void wait_landed(typename Cfg::SharedMemoryPlan& plan
 }
 
 // accS = Q . K^T over all dim tiles of `buffer` (issued, not waited for).
-template <class Cfg, int kFirstTile = 0, class Acc>
+template <class Cfg, int kFirstTile = 0, class Acc, class OnLanded = NoLandedMark>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, int buffer, uint32_t phase,
-                                             bool first_block, Acc& accS, int thread) {
+                                             bool first_block, Acc& accS, int thread, OnLanded on_landed = {}) {
   issue_block_scores<typename Cfg::MmaQK, typename Cfg::SmemLayoutQ, typename Cfg::Ring::SmemLayout, kFirstTile>(
-      plan.q, plan.q_ready, plan.kv[buffer], plan.ring.full[buffer], phase, first_block, accS, thread);
+      plan.q, plan.q_ready, plan.kv[buffer], plan.ring.full[buffer], phase, first_block, accS, thread, on_landed);
 }
 
 // Invalid slots' scores become -inf (the others stay unscaled: the scale is

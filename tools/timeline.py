@@ -1,0 +1,147 @@
+"""Where a sparse MLA kernel's steps fall in time: runs one benchmark shape on
+an extension built with JAX_ATTN_DIST_TIMELINE (common/timeline.cuh;
+``tools/gpu_check.sh timeline`` builds one apart and runs this), reads the
+clock marks of the first CTAs and prints the median schedule of a steady-state
+step (a key-block pair in the forward, a block in the backward) in SM cycles,
+relative to consumer 0's loop top.
+
+    python3 tools/timeline.py mla-v32-h128            # the forward
+    python3 tools/timeline.py mla-v32-h128 bwd        # the backward (float32)
+    python3 tools/timeline.py mla-v32-h128 bwd-det    # the backward (deterministic)
+
+The event names are read from the kernels' enums. The marks cost cycles of
+their own (a global store each, and ptxas allocates the timeline build's
+registers differently): the schedule's shape holds, its absolute cycles are
+the instrumented kernel's. With --save FILE the marks are also kept (npz).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CTAS, ROLES, STEPS, EVENTS = 2048, 4, 32, 16  # common/timeline.cuh
+META_ROLE, META_SM, META_START, META_ROLE_END = 3, 0, 1, 2
+
+
+def enum_names(header: str, enum: str) -> dict[int, str]:
+    """{value: name} of `enum Name : int { ... }` in a csrc header."""
+    text = open(os.path.join(ROOT, "csrc", header)).read()
+    body = re.search(r"enum\s+" + enum + r"\s*:\s*int\s*\{(.*?)\};", text, re.S).group(1)
+    names, value = {}, -1
+    for item in re.sub(r"//[^\n]*|/\*.*?\*/", "", body, flags=re.S).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, expr = item.partition("=")
+        value = int(expr) if expr.strip() else value + 1
+        names[value] = name.strip()
+    return names
+
+
+def run(shape: str, which: str, path: str) -> int:
+    """Runs the kernel once with the marks on; returns the steps per CTA."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import jax_attn_dist
+    from sparse_mla_bench import SPARSE_MLA_SHAPES, sparse_mla_problem
+
+    S, N, H, T, D, d_v = SPARSE_MLA_SHAPES[shape]
+    args, kw, _ = sparse_mla_problem(S, N, H, T, D, d_v, 0)
+    if which == "fwd":
+        f, f_args = jax.jit(lambda *a: jax_attn_dist.sparse_mla(*a, implementation="cuda", **kw)), args
+        steps = -(-T // 128)
+    else:
+        def fwd(q, kv):
+            return jax_attn_dist.sparse_mla(q, kv, args[2], implementation="cuda",
+                                            deterministic=which == "bwd-det", **kw)
+        (out, lse), vjp = jax.vjp(fwd, *args[:2])
+        f, f_args = jax.jit(lambda vjp, c: vjp(c)), (vjp, (jnp.ones_like(out), jnp.ones_like(lse)))
+        steps = -(-T // 64)
+    for _ in range(3):
+        jax.block_until_ready(f(*f_args))
+    os.environ["JAX_ATTN_DIST_TIMELINE_FILE"] = path  # read by the launcher at each launch
+    try:
+        jax.block_until_ready(f(*f_args))
+    finally:
+        del os.environ["JAX_ATTN_DIST_TIMELINE_FILE"]
+    return min(steps, STEPS)
+
+
+def since(t, base):
+    """t - base in cycles, for 32-bit clocks (signed, wrapping)."""
+    d = (t.astype(np.int64) - base.astype(np.int64)) % (1 << 32)
+    return np.where(d >= 1 << 31, d - (1 << 32), d)
+
+
+def report(marks: np.ndarray, steps: int, which: str) -> None:
+    if which == "fwd":
+        names = [("consumer 0", enum_names("sparse_mla/kernel.cuh", "ConsumerMark")),
+                 ("consumer 1", enum_names("sparse_mla/kernel.cuh", "ConsumerMark")),
+                 ("producer", enum_names("sparse_mla/kernel.cuh", "ProducerMark"))]
+    else:
+        names = [("WG0 (scores)", enum_names("sparse_mla/bwd_kernel.cuh", "ScoresMark")),
+                 ("WG1 (grads)", enum_names("sparse_mla/bwd_kernel.cuh", "GradsMark")),
+                 ("producer", enum_names("sparse_mla/bwd_kernel.cuh", "GatherMark"))]
+    live = marks[:, META_ROLE, 0, META_START] != 0
+    ctas = np.flatnonzero(live)
+    ctas = ctas[ctas >= 264] if (ctas >= 264).any() else ctas  # past the first two waves when there are more
+    m = marks[ctas]
+    start = m[:, META_ROLE, 0, META_START]
+    top = m[:, 0, :steps, 0]
+    print(f"{len(ctas)} CTAs, {steps} steps each")
+    period = since(top[:, 1:], top[:, :-1])
+    mid = slice(2, max(3, steps - 2))
+    print(f"step period (consumer 0's loop top to top), median of steps 2..{steps - 3}: "
+          f"{np.median(period[:, mid]):.0f} cycles")
+    print(f"start -> step 0's top {np.median(since(top[:, 0], start)):.0f}; "
+          f"last step's top -> consumer 0's end {np.median(since(m[:, META_ROLE, 0, META_ROLE_END], top[:, steps - 1])):.0f}; "
+          f"start -> end {np.median(since(m[:, META_ROLE, 0, META_ROLE_END], start)):.0f}")
+    steady = list(range(2, max(3, steps - 2)))
+    base = m[:, 0, steady, 0]
+    for role, (label, events) in enumerate(names):
+        print(f"{label}, this step:")
+        for ev in range(EVENTS):
+            v = m[:, role, steady, ev]
+            if not v.any():
+                continue
+            name = events.get(ev) or next((f"{n}+{ev - k}" for k, n in sorted(events.items(), reverse=True) if k <= ev), str(ev))
+            print(f"  {name:<22}{np.median(since(v, base)):9.0f}")
+        if role == 2:
+            nxt = m[:, role, [s + 1 for s in steady], :]
+            print(f"{label}, next step:")
+            for ev in range(EVENTS):
+                if nxt[..., ev].any():
+                    name = events.get(ev) or next((f"{n}+{ev - k}" for k, n in sorted(events.items(), reverse=True) if k <= ev), str(ev))
+                    print(f"  {name:<22}{np.median(since(nxt[..., ev], base)):9.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shape", help="a sparse_mla benchmark shape (mla-v32-h128, ...)")
+    ap.add_argument("which", nargs="?", default="fwd", choices=("fwd", "bwd", "bwd-det"))
+    ap.add_argument("--save", help="also keep the marks here (npz)")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "marks.bin")
+        steps = run(a.shape, a.which, path)
+        if not os.path.exists(path):
+            sys.exit("no marks were written: is the extension a timeline build (tools/gpu_check.sh timeline)?")
+        marks = np.fromfile(path, np.uint32).reshape(CTAS, ROLES, STEPS, EVENTS)
+    if a.save:
+        np.savez_compressed(a.save, marks=marks[:, :, :steps])
+    print(f"== {a.shape} {a.which}")
+    report(marks, steps, a.which)
+
+
+if __name__ == "__main__":
+    main()
