@@ -83,6 +83,14 @@ def since(t, base):
     return np.where(d >= 1 << 31, d - (1 << 32), d)
 
 
+def event_label(events: dict[int, str], ev: int) -> str:
+    """An enum's name for the event, or the nearest name below it plus the offset (a dKV tile's index)."""
+    if ev in events:
+        return events[ev]
+    below = [k for k in events if k < ev]
+    return f"{events[max(below)]}+{ev - max(below)}" if below else str(ev)
+
+
 def report(marks: np.ndarray, steps: int, which: str) -> None:
     if which == "fwd":
         names = [("consumer 0", enum_names("sparse_mla/kernel.cuh", "ConsumerMark")),
@@ -114,15 +122,13 @@ def report(marks: np.ndarray, steps: int, which: str) -> None:
             v = m[:, role, steady, ev]
             if not v.any():
                 continue
-            name = events.get(ev) or next((f"{n}+{ev - k}" for k, n in sorted(events.items(), reverse=True) if k <= ev), str(ev))
-            print(f"  {name:<22}{np.median(since(v, base)):9.0f}")
+            print(f"  {event_label(events, ev):<22}{np.median(since(v, base)):9.0f}")
         if role == 2:
             nxt = m[:, role, [s + 1 for s in steady], :]
             print(f"{label}, next step:")
             for ev in range(EVENTS):
                 if nxt[..., ev].any():
-                    name = events.get(ev) or next((f"{n}+{ev - k}" for k, n in sorted(events.items(), reverse=True) if k <= ev), str(ev))
-                    print(f"  {name:<22}{np.median(since(nxt[..., ev], base)):9.0f}")
+                    print(f"  {event_label(events, ev):<22}{np.median(since(nxt[..., ev], base)):9.0f}")
 
 
 def main() -> None:

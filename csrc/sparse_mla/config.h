@@ -49,7 +49,7 @@ static_assert(register_budgets_fit(kThreads, kCtasPerSm, kNumConsumers * kWarpgr
 // Named barriers between the two consumers (ids above CUTLASS's reserved ones).
 enum Barrier : uint32_t {
   kMaxOfEvenReady = 0,  // WG0 published the row max after its block
-  kMaxOfPairReady = 1,  // WG1 published the reference after the pair
+  kReferenceReady = 1,  // WG1 published the pair's reference
   kEvenPReady = 2,      // WG0 wrote its (rescaled) P to shared memory
   kOddPReady = 3,       // WG1 wrote its P to shared memory
   kRowSumsReady = 4,    // both published their row sums; Q is no longer read
@@ -135,7 +135,7 @@ struct FwdConfig {
     // Per pair parity, defensively: the named barriers already order each
     // write after the other consumer's read of the pair before.
     float max_of_even[2][HT];     // row max after the even block of a pair (WG0 -> WG1)
-    float max_of_pair[2][HT];     // the reference after the pair (WG1 -> WG0)
+    float reference_of_pair[2][HT];  // the softmax reference after the pair (WG1 -> WG0)
     float row_sum[kNumConsumers][HT];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment

@@ -89,18 +89,18 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     mask_row_max(accS, valid_slot_mask(c.slots, slots), p.scale_log2, even_max, lane);
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      even_max[rh] = fmaxf(st.row_max[rh], even_max[rh]);
+      even_max[rh] = fmaxf(st.reference[rh], even_max[rh]);
       if (lane % 4 == 0) plan.max_of_even[phase][row0 + 8 * rh] = even_max[rh];
     }
     mark(kMarkMaxExchanged);
     NamedBarrier::arrive(kPairThreads, kMaxOfEvenReady);
-    NamedBarrier::sync(kPairThreads, kMaxOfPairReady);
+    NamedBarrier::sync(kPairThreads, kReferenceReady);
     mark(kMarkReference);
-    float pair_max[2];
+    float reference[2];
     CUTE_UNROLL
-    for (int rh = 0; rh < 2; ++rh) pair_max[rh] = plan.max_of_pair[phase][row0 + 8 * rh];  // the reference
-    rescale_to(st, pair_max);
-    publish_p(plan, st, accS, pair_max, p.scale_log2, 0, kEvenPStored, kEvenPReady, warp, lane);
+    for (int rh = 0; rh < 2; ++rh) reference[rh] = plan.reference_of_pair[phase][row0 + 8 * rh];
+    rescale_to(st, reference);
+    publish_p(plan, st, accS, reference, p.scale_log2, 0, kEvenPStored, kEvenPReady, warp, lane);
     mark(kMarkPPublished);
     issue_pv<Cfg>(plan, 0, 0, st.accO, thread);
     mark(kMarkOwnPvIssued);
@@ -159,17 +159,17 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     }
     NamedBarrier::sync(kPairThreads, kMaxOfEvenReady);
     mark(kMarkMaxExchanged);
-    float pair_max[2];
+    float reference[2];
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      pair_max[rh] = next_reference(st.row_max[rh], fmaxf(plan.max_of_even[phase][row0 + 8 * rh], odd_max[rh]));
-      if (lane % 4 == 0) plan.max_of_pair[phase][row0 + 8 * rh] = pair_max[rh];
+      reference[rh] = next_reference(st.reference[rh], fmaxf(plan.max_of_even[phase][row0 + 8 * rh], odd_max[rh]));
+      if (lane % 4 == 0) plan.reference_of_pair[phase][row0 + 8 * rh] = reference[rh];
     }
-    NamedBarrier::arrive(kPairThreads, kMaxOfPairReady);
+    NamedBarrier::arrive(kPairThreads, kReferenceReady);
     mark(kMarkReference);
-    rescale_to(st, pair_max);
+    rescale_to(st, reference);
     if (has_odd) {
-      publish_p(plan, st, accS, pair_max, p.scale_log2, 1, kOddPStored, kOddPReady, warp, lane);
+      publish_p(plan, st, accS, reference, p.scale_log2, 1, kOddPStored, kOddPReady, warp, lane);
       mark(kMarkPPublished);
       issue_pv<Cfg>(plan, 1, 1, st.accO, thread);
       mark(kMarkOwnPvIssued);
@@ -219,7 +219,7 @@ __device__ __forceinline__ void finish(typename Cfg::SharedMemoryPlan& plan, con
     const float sum = plan.row_sum[0][row] + plan.row_sum[1][row];  // the same order in both
     inv_sum[rh] = sum > 0.f ? 1.f / sum : 0.f;
     if (consumer == 0 && lane % 4 == 0 && head0 + row < p.h_q) {
-      float lse = sum > 0.f ? st.row_max[rh] + __log2f(sum) : -INFINITY;
+      float lse = sum > 0.f ? st.reference[rh] + __log2f(sum) : -INFINITY;
       if (p.lse_base_e) lse *= 0.6931471805599453f;  // ln(2)
       p.lse[token * p.h_q + head0 + row] = lse;
     }

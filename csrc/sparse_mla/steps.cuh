@@ -151,7 +151,7 @@ struct ConsumerState {
   decltype(partition_fragment_C(typename Cfg::MmaPV{}, Shape<Int<Cfg::HT>, Int<kDvPerConsumer>>{})) accO;
   // The softmax's reference (base 2): the running row max, or up to
   // kRescaleThreshold below it; -inf while no valid slot.
-  float row_max[2] = {-INFINITY, -INFINITY};
+  float reference[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 };
 
@@ -178,9 +178,9 @@ __device__ __forceinline__ void rescale_to(ConsumerState<Cfg>& st, const float (
   float factor[2];
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
-    factor[rh] = exp2_diff(st.row_max[rh], ref[rh]);
+    factor[rh] = exp2_diff(st.reference[rh], ref[rh]);
     st.row_sum[rh] *= factor[rh];
-    st.row_max[rh] = ref[rh];
+    st.reference[rh] = ref[rh];
   }
   if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) rescale_rows(st.accO, factor);
 }
