@@ -81,11 +81,15 @@ template <class Acc>
 __device__ __forceinline__ void mask_row_max(Acc& accS, uint64_t valid, float scale_log2, float (&row_max)[2],
                                              int lane) {
   row_max[0] = row_max[1] = -INFINITY;
-  for_each_acc_element(lane, [&](int i, int rh, int col) {
-    const float x = (valid >> col) & 1 ? accS(i) : -INFINITY;
-    accS(i) = x;
-    row_max[rh] = fmaxf(row_max[rh], x);
-  });
+  if (valid == ~uint64_t(0)) {  // warp-uniform (a ballot): the common block, nothing to mask
+    for_each_acc_element(lane, [&](int i, int rh, int) { row_max[rh] = fmaxf(row_max[rh], accS(i)); });
+  } else {
+    for_each_acc_element(lane, [&](int i, int rh, int col) {
+      const float x = (valid >> col) & 1 ? accS(i) : -INFINITY;
+      accS(i) = x;
+      row_max[rh] = fmaxf(row_max[rh], x);
+    });
+  }
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
     row_max[rh] = fmaxf(row_max[rh], __shfl_xor_sync(0xffffffffu, row_max[rh], 1));
