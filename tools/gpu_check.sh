@@ -17,10 +17,11 @@ steps=("$@")
 status=()
 failed=0
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}  # a hung kernel must not eat the whole call
-run() {  # name, command...
+TEST_TIMEOUT=${TEST_TIMEOUT:-540}  # the whole GPU suite (367 tests) takes 330-390 s
+run() {  # name, command...  (the step's limit: $STEP_LIMIT if set, else STEP_TIMEOUT)
   local name=$1; shift
   local t0=$SECONDS
-  timeout -k 5 "$STEP_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 5 "${STEP_LIMIT:-$STEP_TIMEOUT}" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   status+=("$name rc=$rc $((SECONDS - t0))s")
   [ $rc -ne 0 ] && failed=1
@@ -50,7 +51,7 @@ print(m.__file__, 'built', m.build_id(), 'checkout', here)
 assert m.build_id() == here, 'stale extension'
 assert m.test_targets_built(), 'built without the test-only FFI targets'
 print(_ext.kernel_unavailable_reason())" || exit 1 ;;
-    test) run test env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m pytest -q -rs "${GPU_TESTS[@]}" --run-large \
+    test) STEP_LIMIT=$TEST_TIMEOUT run test env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m pytest -q -rs "${GPU_TESTS[@]}" --run-large \
             -p no:cacheprovider ;;
     test-all) run test-all env JAX_PLATFORMS=cpu JAX_ATTN_DIST_REQUIRE_GPU=0 python3 -m pytest -q -rs tests \
                 -p no:cacheprovider ;;
