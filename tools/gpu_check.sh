@@ -17,7 +17,8 @@ steps=("$@")
 status=()
 failed=0
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}  # a hung kernel must not eat the whole call
-TEST_TIMEOUT=${TEST_TIMEOUT:-540}  # the whole GPU suite (367 tests) takes 330-390 s
+TEST_TIMEOUT=${TEST_TIMEOUT:-480}  # the whole GPU suite (367 tests) takes 330-390 s; with build, about 450 s
+unset STEP_LIMIT                   # set per step only (run's override)
 run() {  # name, command...  (the step's limit: $STEP_LIMIT if set, else STEP_TIMEOUT)
   local name=$1; shift
   local t0=$SECONDS
