@@ -40,8 +40,11 @@ using cutlass::arch::NamedBarrier;
 
 // Timeline events of a block (a timeline build only, common/timeline.cuh;
 // tools/timeline.py reads these names). WG0's and WG1's steps differ from
-// event 3 on; a dKV tile's event is kDkvTileDone + i for value tile i of the
-// warpgroup's, + (its value tile count) for the rope tile.
+// event 3 on; k*FirstProductDone + MergeStep are the steps of the
+// warpgroup's first value tile (its product completed, the partner's landing
+// free, the partner's half received); a dKV tile's event is kDkvTileDone + i
+// for value tile i of the warpgroup's, + (its value tile count) for the rope
+// tile.
 enum ScoresMark : int {
   kScoresTop,
   kScoresLanded,      // the block's first key stage landed
@@ -51,6 +54,7 @@ enum ScoresMark : int {
   kScoresDsReady,     // WG1's dS published
   kScoresDqDone,      // its dQ products completed
   kScoresDkvStart,    // its dQ stages and landing freed, its dKV tiles begin
+  kScoresFirstProductDone, kScoresFirstLandingFree, kScoresFirstReceived,
   kScoresDkvTileDone,
 };
 enum GradsMark : int {
@@ -62,8 +66,16 @@ enum GradsMark : int {
   kGradsDsStored,     // dS stored and published
   kGradsDqDone,
   kGradsDkvStart,
+  kGradsFirstProductDone, kGradsFirstLandingFree, kGradsFirstReceived,
   kGradsDkvTileDone,
 };
+static_assert(kScoresFirstReceived - kScoresFirstProductDone + 1 == kMergeSteps &&
+                  kGradsFirstReceived - kGradsFirstProductDone + 1 == kMergeSteps,
+              "one event per merge step");
+// Each warpgroup's dKV tiles have an event each (WG0 at most 4 with the rope
+// tile, WG1 at most 5: bwd_config.h).
+static_assert(kScoresDkvTileDone + 4 <= timeline::kEvents && kGradsDkvTileDone + 5 <= timeline::kEvents,
+              "a step's events fit the timeline's");
 enum GatherMark : int { kStageFilled = 0 /* + dim tile: its stage freed and its copies issued */ };
 
 // WG0: scores and P; dQ over value tiles 0..3 and the rope tile; its dKV tiles.
@@ -112,7 +124,8 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
     if (block == 0) wait_tiles_landed(plan.dout_ready, bwd::kValueTiles);  // P^T.dO reads dO, which WG1 waited for
     mark(kScoresDkvStart);
     dkv_tiles<Cfg>(plan, p, rows, true, 0, Cfg::kWg0ValueTiles, block + 1 < num_blocks, bwd::kWg0DkvDone,
-                   fixed, role, thread, [&](int i) { mark(kScoresDkvTileDone + i); });
+                   fixed, role, thread, [&](int i) { mark(kScoresDkvTileDone + i); },
+                   [&](int s) { mark(kScoresFirstProductDone + s); });
   }
   store_dq<Cfg>(p, c, accDq, 0, thread);
   if constexpr (Cfg::kRopeTiles > 0) store_dq<Cfg>(p, c, accDqRope, bwd::kDv, thread);
@@ -161,7 +174,7 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
     mark(kGradsDkvStart);
     dkv_tiles<Cfg>(plan, p, rows, false, Cfg::kWg0ValueTiles, bwd::kValueTiles - Cfg::kWg0ValueTiles,
                    block + 1 < num_blocks, bwd::kWg1DkvDone, fixed, role, thread,
-                   [&](int i) { mark(kGradsDkvTileDone + i); });
+                   [&](int i) { mark(kGradsDkvTileDone + i); }, [&](int s) { mark(kGradsFirstProductDone + s); });
   }
   store_dq<Cfg>(p, c, accDq, bwd::kDqValueDims, thread);
 }

@@ -367,16 +367,21 @@ __device__ __forceinline__ void free_landing(typename Cfg::SharedMemoryPlan& pla
 // written back into the landing and bulk-reduced from there, the landing
 // freed once they are read. (Freed for the partner's next half, or, after
 // the block's last tile, for the gather of the next block.)
-template <class Cfg, int kRank, class Acc>
+// on_step(kMergeLandingFree) and on_step(kMergeReceived) follow its two
+// waits on the partner (the timeline build marks them).
+enum MergeStep : int { kMergeProductDone, kMergeLandingFree, kMergeReceived, kMergeSteps };
+
+template <class Cfg, int kRank, class Acc, class OnStep>
 __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                                Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
-                                               PairRole& role, bool last_of_block, int thread) {
+                                               PairRole& role, bool last_of_block, int thread, OnStep on_step) {
   constexpr int kGroups = bwd::kPairDimsPerRank / 8;
   constexpr int kKeep = kRank * kGroups, kSend = (1 - kRank) * kGroups;
   const int lane = thread % 32;
   const int w = role.warpgroup;
   wait_cluster_relaxed(&plan.send_free[w], role.send_phase);
   role.send_phase ^= 1u;
+  on_step(kMergeLandingFree);
   const uint32_t dst = cluster_address(landing_of_thread<Cfg>(plan, w, thread), role.partner);
   const uint32_t full = cluster_address(&plan.recv_full[w], role.partner);
   // As bf16 pairs (why: bwd_config.h, head-tile pairs).
@@ -391,6 +396,7 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.recv_full[w], bwd::kHalfTileBytes);
   wait_cluster(&plan.recv_full[w], role.recv_phase);
   role.recv_phase ^= 1u;
+  on_step(kMergeReceived);
   const uint4* landed = landing_of_thread<Cfg>(plan, w, thread);
   CUTE_UNROLL
   for (int i = 0; i < kGroups; i += 2) {
@@ -450,13 +456,14 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
 
 // A waited dKV tile: reduced into the kv gradient alone, or merged with the
 // pair's other partial, each rank reducing half of its columns.
-template <class Cfg, class Acc>
+template <class Cfg, class Acc, class OnStep = NoLandedMark>
 __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                                 Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
-                                                PairRole& role, bool last_of_block, int thread) {
+                                                PairRole& role, bool last_of_block, int thread,
+                                                OnStep on_step = {}) {
   if (!role.paired) return reduce_dkv_tile<Cfg, 0, kDimTile / 8>(p, acc, rows, tile, fixed, thread % 32);
-  if (role.rank == 0) merge_dkv_tile<Cfg, 0>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread);
-  else merge_dkv_tile<Cfg, 1>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread);
+  if (role.rank == 0) merge_dkv_tile<Cfg, 0>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread, on_step);
+  else merge_dkv_tile<Cfg, 1>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread, on_step);
 }
 
 // This warpgroup's dKV tiles of the block: the rope tile (with_rope), then
@@ -464,12 +471,14 @@ __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& 
 // for and added into the kv gradient (in a pair: merged, half by each rank).
 // `done_barrier` is arrived at once the last WGMMA that reads P and dS has
 // completed (if another block follows). on_tile_done(i) follows the i-th
-// tile's merge (the timeline build marks it).
-template <class Cfg, class OnTileDone = NoLandedMark>
+// tile's merge, and on_first_value_step(MergeStep) the steps of the first
+// value tile's (the timeline build marks them).
+template <class Cfg, class OnTileDone = NoLandedMark, class OnStep = NoLandedMark>
 __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                           const KeyRows& rows, bool with_rope, int first_value, int num_values,
                                           bool more_blocks, uint32_t done_barrier, const FixedTerms& fixed,
-                                          PairRole& role, int thread, OnTileDone on_tile_done = {}) {
+                                          PairRole& role, int thread, OnTileDone on_tile_done = {},
+                                          OnStep on_first_value_step = {}) {
   Tensor acc = partition_fragment_C(typename Cfg::MmaDkv{}, Shape<Int<kBlockTopk>, Int<kDimTile>>{});
   if constexpr (Cfg::kRopeTiles > 0) {
     if (with_rope) {
@@ -484,8 +493,10 @@ __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, 
     const int tile = first_value + t;
     issue_dkv_tile<Cfg, true>(plan, tile, acc, thread);
     warpgroup_wait<0>();
+    auto step = [&](int s) { if (t == 0) on_first_value_step(s); };
+    step(kMergeProductDone);
     if (t + 1 == num_values && more_blocks) NamedBarrier::arrive(bwd::kPairThreads, done_barrier);
-    finish_dkv_tile<Cfg>(plan, p, acc, rows, tile, fixed, role, t + 1 == num_values, thread);
+    finish_dkv_tile<Cfg>(plan, p, acc, rows, tile, fixed, role, t + 1 == num_values, thread, step);
     on_tile_done(t);
   }
 }
