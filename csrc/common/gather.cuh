@@ -21,6 +21,7 @@
 #include <cutlass/bfloat16.h>
 
 #include "slot_validity.cuh"
+#include "timeline.cuh"
 
 namespace attn_dist {
 
@@ -208,17 +209,11 @@ struct KeyRowFeeder {
   }
 };
 
-// Nothing to do when a stage has been filled (the sparse MLA backward's
-// timeline build marks it).
-struct NoFilledMark {
-  __device__ __forceinline__ void operator()(int, int) const {}
-};
-
 // kFeeders threads feed consumer `consumer`'s ring (`stages`: its kStages
 // stage buffers) with the key rows of its blocks, kDims / 64 stages per block,
 // in dim order; on_filled(block, dim tile) follows each stage's copies. The
 // slot indices are loaded kLookahead of this ring's blocks ahead.
-template <class Ring, int kDims, int kLookahead = 1, class OnFilled = NoFilledMark>
+template <class Ring, int kDims, int kLookahead = 1, class OnFilled = timeline::NoMark>
 __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::Barriers& ring,
                                                   const RowSlots& slots, const bf16* keys, int consumer,
                                                   int feeder, OnFilled on_filled = {}) {

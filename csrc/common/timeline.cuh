@@ -35,6 +35,13 @@ constexpr int kMetaRole = 3;
 // Meta slots (role kMetaRole, step 0).
 enum Meta : int { kSm = 0, kStart = 1, kRoleEnd = 2 /* + role */ };
 
+// The default of the shared steps' mark callbacks (a stage landed or filled,
+// a dKV tile or merge step done): nothing, in every build.
+struct NoMark {
+  template <class... Args>
+  __device__ __forceinline__ void operator()(Args...) const {}
+};
+
 #ifdef JAX_ATTN_DIST_TIMELINE
 // Internal linkage, all of it: each translation unit's launcher points its
 // own kernels' copy of g_marks at its own buffer.

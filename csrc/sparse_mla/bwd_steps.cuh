@@ -63,7 +63,7 @@ __device__ __forceinline__ void load_lse2(const SparseMlaBwdParams& p, const Cta
 
 // acc = A.K^T over A's dim tiles of the block (A: Q, all D, or dO, the values; whose
 // tiles land by TMA before the first block); issued and committed, not waited for.
-template <class Cfg, class LayoutA, class Acc, class OnLanded = NoLandedMark>
+template <class Cfg, class LayoutA, class Acc, class OnLanded = timeline::NoMark>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, const bf16* a_smem,
                                              uint64_t* a_ready, uint32_t phase, bool first_block, Acc& acc,
                                              int thread, OnLanded on_landed = {}) {
@@ -456,7 +456,7 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
 
 // A waited dKV tile: reduced into the kv gradient alone, or merged with the
 // pair's other partial, each rank reducing half of its columns.
-template <class Cfg, class Acc, class OnStep = NoLandedMark>
+template <class Cfg, class Acc, class OnStep = timeline::NoMark>
 __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                                 Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
                                                 PairRole& role, bool last_of_block, int thread,
@@ -473,7 +473,7 @@ __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& 
 // completed (if another block follows). on_tile_done(i) follows the i-th
 // tile's merge, and on_first_value_step(MergeStep) the steps of the first
 // value tile's (the timeline build marks them).
-template <class Cfg, class OnTileDone = NoLandedMark, class OnStep = NoLandedMark>
+template <class Cfg, class OnTileDone = timeline::NoMark, class OnStep = timeline::NoMark>
 __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                           const KeyRows& rows, bool with_rope, int first_value, int num_values,
                                           bool more_blocks, uint32_t done_barrier, const FixedTerms& fixed,

@@ -13,20 +13,16 @@
 #include <cutlass/arch/memory.h>
 
 #include "../common/gather.cuh"
+#include "../common/timeline.cuh"
 
 namespace attn_dist {
 namespace sparse_mla {
-
-// Nothing to do when a key stage has landed (the timeline build marks it).
-struct NoLandedMark {
-  __device__ __forceinline__ void operator()(int) const {}
-};
 
 // Over the first size<2>(LayoutA) dim tiles, from kFirstTile on and
 // wrapping: waits for A's tile (TMA, before the first block only) and the key
 // stage (`key_full[dt]`, this block's phase), calls on_landed(i) for the
 // i-th tile visited, then issues its WGMMAs; committed, not waited for.
-template <class Mma, class LayoutA, class LayoutK, int kFirstTile = 0, class Acc, class OnLanded = NoLandedMark>
+template <class Mma, class LayoutA, class LayoutK, int kFirstTile = 0, class Acc, class OnLanded = timeline::NoMark>
 __device__ __forceinline__ void issue_block_scores(const bf16* a_smem, uint64_t* a_ready, const bf16* k_smem,
                                                    uint64_t* key_full, uint32_t phase, bool first_block, Acc& acc,
                                                    int thread, OnLanded on_landed = {}) {

@@ -66,7 +66,7 @@ __device__ __forceinline__ void wait_landed(typename Cfg::SharedMemoryPlan& plan
 }
 
 // accS = Q . K^T over all dim tiles of `buffer` (issued, not waited for).
-template <class Cfg, int kFirstTile = 0, class Acc, class OnLanded = NoLandedMark>
+template <class Cfg, int kFirstTile = 0, class Acc, class OnLanded = timeline::NoMark>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, int buffer, uint32_t phase,
                                              bool first_block, Acc& accS, int thread, OnLanded on_landed = {}) {
   issue_block_scores<typename Cfg::MmaQK, typename Cfg::SmemLayoutQ, typename Cfg::Ring::SmemLayout, kFirstTile>(
