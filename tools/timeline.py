@@ -8,6 +8,13 @@ relative to consumer 0's loop top.
     python3 tools/timeline.py mla-v32-h128            # the forward
     python3 tools/timeline.py mla-v32-h128 bwd        # the backward (float32)
     python3 tools/timeline.py mla-v32-h128 bwd-det    # the backward (deterministic)
+    python3 tools/timeline.py mla-v32-h128 bwd --load marks.npz   # a saved run again, no GPU
+
+In a paired backward (an even number of 64-head tiles: 2-CTA clusters) it
+also prints each warpgroup's first dKV merge per pair rank: how long after
+its product the partner's landing was free, how long after its send the
+partner's half arrived, and when the partner began its own send (the SM
+clocks of a pair's CTAs agree: their first loop tops are printed).
 
 The event names are read from the kernels' enums. The marks cost cycles of
 their own (a global store each, and ptxas allocates the timeline build's
@@ -131,22 +138,60 @@ def report(marks: np.ndarray, steps: int, which: str) -> None:
                     print(f"  {event_label(events, ev):<22}{np.median(since(nxt[..., ev], base)):9.0f}")
 
 
+def report_pairs(marks: np.ndarray, steps: int) -> None:
+    """The paired backward's first merge of each warpgroup, per pair rank (CTA
+    2c + r is rank r of cluster c); nothing where no merge marked its steps."""
+    live = np.flatnonzero(marks[:, META_ROLE, 0, META_START] != 0)
+    rank0 = live[(live % 2 == 0) & np.isin(live + 1, live)]
+    rank0 = rank0[rank0 >= 264] if (rank0 >= 264).any() else rank0  # past the first two waves
+    steady = list(range(2, max(3, steps - 2)))
+    roles = [(0, "WG0 (scores)", "ScoresMark", "kScores"), (1, "WG1 (grads)", "GradsMark", "kGrads")]
+    if len(rank0) == 0:
+        return
+    first = {}
+    for role, _, enum, prefix in roles:
+        value = {name: v for v, name in enum_names("sparse_mla/bwd_kernel.cuh", enum).items()}
+        first[role] = [value[prefix + step] for step in ("FirstProductDone", "FirstLandingFree", "FirstReceived")]
+        if not marks[rank0][:, role, steady, first[role][1]].any():
+            return  # unpaired: no merge waited on a partner
+    tops = since(marks[rank0 + 1, 0, 0, 0], marks[rank0, 0, 0, 0])
+    print(f"pairs: {len(rank0)}; rank 1's first loop top minus rank 0's: median {np.median(tops):.0f} cycles")
+    for role, label, _, _ in roles:
+        product, free, received = first[role]
+        for rank in (0, 1):
+            me = marks[rank0 + rank][:, role, steady]
+            other = marks[rank0 + 1 - rank][:, role, steady]
+            to_free = np.median(since(me[..., free], me[..., product]))
+            to_half = np.median(since(me[..., received], me[..., free]))
+            partner = since(other[..., free], me[..., free])
+            print(f"{label} rank {rank}, first merge: product -> landing free {to_free:.0f}, "
+                  f"-> partner's half {to_half:.0f}; partner's send start minus own {np.median(partner):.0f} "
+                  f"(10-90 %: {np.percentile(partner, 10):.0f} .. {np.percentile(partner, 90):.0f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shape", help="a sparse_mla benchmark shape (mla-v32-h128, ...)")
     ap.add_argument("which", nargs="?", default="fwd", choices=("fwd", "bwd", "bwd-det"))
     ap.add_argument("--save", help="also keep the marks here (npz)")
+    ap.add_argument("--load", help="report the marks saved here (npz, --save's) instead of running")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "marks.bin")
-        steps = run(a.shape, a.which, path)
-        if not os.path.exists(path):
-            sys.exit("no marks were written: is the extension a timeline build (tools/gpu_check.sh timeline)?")
-        marks = np.fromfile(path, np.uint32).reshape(CTAS, ROLES, STEPS, EVENTS)
-    if a.save:
-        np.savez_compressed(a.save, marks=marks[:, :, :steps])
+    if a.load:
+        marks = np.load(a.load)["marks"]
+        steps = marks.shape[2]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "marks.bin")
+            steps = run(a.shape, a.which, path)
+            if not os.path.exists(path):
+                sys.exit("no marks were written: is the extension a timeline build (tools/gpu_check.sh timeline)?")
+            marks = np.fromfile(path, np.uint32).reshape(CTAS, ROLES, STEPS, EVENTS)
+        if a.save:
+            np.savez_compressed(a.save, marks=marks[:, :, :steps])
     print(f"== {a.shape} {a.which}")
     report(marks, steps, a.which)
+    if a.which != "fwd":
+        report_pairs(marks, steps)
 
 
 if __name__ == "__main__":
