@@ -10,6 +10,9 @@ relative to consumer 0's loop top.
     python3 tools/timeline.py mla-v32-h128 bwd-det    # the backward (deterministic)
     python3 tools/timeline.py mla-v32-h128 bwd --load marks.npz   # a saved run again, no GPU
 
+--save keeps the marks with the event names they were read with; --load
+reports them again only where this tree's names are the same.
+
 In a paired backward (an even number of 64-head tiles: 2-CTA clusters) it
 also prints each warpgroup's first dKV merge per pair rank: how long after
 its product the partner's landing was free, how long after its send the
@@ -98,15 +101,27 @@ def event_label(events: dict[int, str], ev: int) -> str:
     return f"{events[max(below)]}+{ev - max(below)}" if below else str(ev)
 
 
-def report(marks: np.ndarray, steps: int, which: str) -> None:
+def role_events(which: str) -> list[tuple[str, dict[int, str]]]:
+    """(role label, {event: name}) per role, from this tree's kernel headers."""
     if which == "fwd":
-        names = [("consumer 0", enum_names("sparse_mla/kernel.cuh", "ConsumerMark")),
-                 ("consumer 1", enum_names("sparse_mla/kernel.cuh", "ConsumerMark")),
-                 ("producer", enum_names("sparse_mla/kernel.cuh", "ProducerMark"))]
-    else:
-        names = [("WG0 (scores)", enum_names("sparse_mla/bwd_kernel.cuh", "ScoresMark")),
-                 ("WG1 (grads)", enum_names("sparse_mla/bwd_kernel.cuh", "GradsMark")),
-                 ("producer", enum_names("sparse_mla/bwd_kernel.cuh", "GatherMark"))]
+        return [("consumer 0", enum_names("sparse_mla/kernel.cuh", "ConsumerMark")),
+                ("consumer 1", enum_names("sparse_mla/kernel.cuh", "ConsumerMark")),
+                ("producer", enum_names("sparse_mla/kernel.cuh", "ProducerMark"))]
+    return [("WG0 (scores)", enum_names("sparse_mla/bwd_kernel.cuh", "ScoresMark")),
+            ("WG1 (grads)", enum_names("sparse_mla/bwd_kernel.cuh", "GradsMark")),
+            ("producer", enum_names("sparse_mla/bwd_kernel.cuh", "GatherMark"))]
+
+
+def event_layout(which: str) -> str:
+    """The event names the marks are read with, as text (kept with saved marks)."""
+    return "\n".join(f"{label}: " + ", ".join(f"{v}={n}" for v, n in sorted(events.items()))
+                     for label, events in role_events(which))
+
+
+def report(marks: np.ndarray, steps: int, which: str) -> None:
+    if steps < 5:
+        sys.exit(f"{steps} steps: too few for a steady step (steps 2 .. steps - 3)")
+    names = role_events(which)
     live = marks[:, META_ROLE, 0, META_START] != 0
     ctas = np.flatnonzero(live)
     ctas = ctas[ctas >= 264] if (ctas >= 264).any() else ctas  # past the first two waves when there are more
@@ -177,8 +192,16 @@ def main() -> None:
     ap.add_argument("--load", help="report the marks saved here (npz, --save's) instead of running")
     a = ap.parse_args()
     if a.load:
-        marks = np.load(a.load)["marks"]
+        if a.save:
+            sys.exit("--save keeps the marks of a run; --load reports saved ones")
+        saved = np.load(a.load)
+        marks = saved["marks"]
         steps = marks.shape[2]
+        if "layout" not in saved:
+            sys.exit(f"{a.load} holds no event layout: report it with the tools/timeline.py of the tree that made it")
+        if str(saved["which"]) != a.which or str(saved["layout"]) != event_layout(a.which):
+            sys.exit(f"{a.load} holds {saved['which']} marks of a tree whose events differ from this one's "
+                     f"({a.which}): report them with that tree's tools/timeline.py")
     else:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "marks.bin")
@@ -187,7 +210,8 @@ def main() -> None:
                 sys.exit("no marks were written: is the extension a timeline build (tools/gpu_check.sh timeline)?")
             marks = np.fromfile(path, np.uint32).reshape(CTAS, ROLES, STEPS, EVENTS)
         if a.save:
-            np.savez_compressed(a.save, marks=marks[:, :, :steps])
+            np.savez_compressed(a.save, marks=marks[:, :, :steps], which=a.which, shape=a.shape,
+                                layout=event_layout(a.which))
     print(f"== {a.shape} {a.which}")
     report(marks, steps, a.which)
     if a.which != "fwd":

@@ -4,6 +4,7 @@ synthetic npz whose cycles are known."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -13,6 +14,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "timeline.py")
+_spec = importlib.util.spec_from_file_location("timeline_tool", TOOL)
+timeline_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(timeline_tool)
 ROLES, EVENTS, STEPS = 4, 16, 8
 META, START, END = 3, 1, 2
 # bwd_kernel.cuh's ScoresMark / GradsMark: the top, then each warpgroup's first
@@ -20,48 +24,65 @@ META, START, END = 3, 1, 2
 TOP, PRODUCT, FREE, RECEIVED = 0, 8, 9, 10
 
 
-def synthetic_marks(paired: bool, rank1_shift: int = 7) -> np.ndarray:
-    """Two clusters of two CTAs; every block 20000 cycles; rank 1's clock
-    `rank1_shift` cycles behind rank 0's in everything. WG0's merge: free 300
-    after the product, the half 1000 after that; WG1's: 400, then 800."""
+def synthetic_marks(paired: bool) -> np.ndarray:
+    """Two clusters of two CTAs; every block 20000 cycles; the clocks start
+    just below 2^32 and wrap before the first loop top. Rank 1's marks are 7 cycles later than
+    rank 0's at its loop tops. WG0's merge: the landing free 300 cycles after
+    the product (rank 1: 500), the partner's half 1000 after that; WG1's: 400
+    (rank 1: 450), then 800."""
     marks = np.zeros((4, ROLES, STEPS, EVENTS), np.uint32)
+    clock0 = (1 << 32) - 5000
     for cta in range(4):
-        shift = rank1_shift if cta % 2 else 0
-        marks[cta, META, 0, START] = 1000 + shift
-        marks[cta, META, 0, END] = 1000 + shift + 30000 * STEPS
+        rank = cta % 2
+        shift = 7 * rank
+        marks[cta, META, 0, START] = (clock0 + shift) % (1 << 32)
+        marks[cta, META, 0, END] = (clock0 + shift + 30000 * STEPS) % (1 << 32)
         for step in range(STEPS):
-            top = 10000 + 20000 * step + shift
-            for role, (product, to_free, to_half) in enumerate(((9000, 300, 1000), (8000, 400, 800))):
-                marks[cta, role, step, TOP] = top + 50 * role
-                marks[cta, role, step, PRODUCT] = top + product
+            top = clock0 + 10000 + 20000 * step + shift
+            for role, (product, to_free, to_half) in enumerate(((9000, (300, 500)[rank], 1000),
+                                                                (8000, (400, 450)[rank], 800))):
+                at = {TOP: top + 50 * role, PRODUCT: top + product}
                 if paired:
-                    marks[cta, role, step, FREE] = top + product + to_free
-                    marks[cta, role, step, RECEIVED] = top + product + to_free + to_half
+                    at[FREE] = top + product + to_free
+                    at[RECEIVED] = top + product + to_free + to_half
+                for event, clock in at.items():
+                    marks[cta, role, step, event] = clock % (1 << 32)
     return marks
 
 
-def report(tmp_path, marks: np.ndarray) -> str:
+def report(tmp_path, marks: np.ndarray, layout: str | None = None) -> subprocess.CompletedProcess:
     path = tmp_path / "marks.npz"
-    np.savez_compressed(path, marks=marks)
-    out = subprocess.run([sys.executable, TOOL, "mla-v32-h128", "bwd", "--load", str(path)], capture_output=True,
-                         text=True, check=True)
-    return out.stdout
+    np.savez_compressed(path, marks=marks, which="bwd", shape="mla-v32-h128",
+                        layout=timeline_tool.event_layout("bwd") if layout is None else layout)
+    return subprocess.run([sys.executable, TOOL, "mla-v32-h128", "bwd", "--load", str(path)], capture_output=True,
+                          text=True)
 
 
 def test_paired_backward_merge_steps(tmp_path):
-    text = report(tmp_path, synthetic_marks(paired=True))
+    out = report(tmp_path, synthetic_marks(paired=True))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
     assert "step period (consumer 0's loop top to top), median of steps 2..5: 20000 cycles" in text
+    assert "start -> step 0's top 10000; last step's top -> consumer 0's end 90000; start -> end 240000" in text
     assert "rank 1's first loop top minus rank 0's: median 7 cycles" in text
     lines = {m.group(1, 2): m.group(3, 4, 5) for m in re.finditer(
         r"(WG\d) \(\w+\) rank (\d), first merge: product -> landing free (-?\d+), -> partner's half (-?\d+); "
         r"partner's send start minus own (-?\d+)", text)}
+    # The partner's send start: its landing-free mark against this CTA's (7 + 500 - 300 for WG0's rank 0).
     assert lines == {
-        ("WG0", "0"): ("300", "1000", "7"), ("WG0", "1"): ("300", "1000", "-7"),
-        ("WG1", "0"): ("400", "800", "7"), ("WG1", "1"): ("400", "800", "-7"),
+        ("WG0", "0"): ("300", "1000", "207"), ("WG0", "1"): ("500", "1000", "-207"),
+        ("WG1", "0"): ("400", "800", "57"), ("WG1", "1"): ("450", "800", "-57"),
     }
 
 
 def test_unpaired_backward_has_no_pair_lines(tmp_path):
-    text = report(tmp_path, synthetic_marks(paired=False))
-    assert "step period" in text
-    assert "pairs:" not in text and "first merge" not in text
+    out = report(tmp_path, synthetic_marks(paired=False))
+    assert out.returncode == 0, out.stderr
+    assert "step period" in out.stdout
+    assert "pairs:" not in out.stdout and "first merge" not in out.stdout
+
+
+def test_marks_of_other_events_are_refused(tmp_path):
+    out = report(tmp_path, synthetic_marks(paired=True), layout="WG0 (scores): 0=kScoresTop")
+    assert out.returncode != 0 and "that tree's tools/timeline.py" in out.stderr
+    assert "first merge" not in out.stdout
