@@ -359,6 +359,10 @@ __device__ __forceinline__ void free_landing(typename Cfg::SharedMemoryPlan& pla
   }
 }
 
+// The steps of a dKV tile's merge that the timeline build marks: its product
+// completed (dkv_tiles), the partner's landing free, the partner's half received.
+enum MergeStep : int { kMergeProductDone, kMergeLandingFree, kMergeReceived, kMergeSteps };
+
 // A pair's merge of a waited dKV tile, rank kRank's side: the partner's column
 // half of this warpgroup's partial goes into the partner's landing (st.async,
 // once the partner has freed it), as bf16; the partner's partial of this
@@ -368,9 +372,7 @@ __device__ __forceinline__ void free_landing(typename Cfg::SharedMemoryPlan& pla
 // freed once they are read. (Freed for the partner's next half, or, after
 // the block's last tile, for the gather of the next block.)
 // on_step(kMergeLandingFree) and on_step(kMergeReceived) follow its two
-// waits on the partner (the timeline build marks them).
-enum MergeStep : int { kMergeProductDone, kMergeLandingFree, kMergeReceived, kMergeSteps };
-
+// waits on the partner.
 template <class Cfg, int kRank, class Acc, class OnStep>
 __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                                Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
