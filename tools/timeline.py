@@ -118,25 +118,32 @@ def event_layout(which: str) -> str:
                      for label, events in role_events(which))
 
 
+def sampled(ctas: np.ndarray) -> np.ndarray:
+    """The CTAs past the first two waves, when there are more."""
+    return ctas[ctas >= 264] if (ctas >= 264).any() else ctas
+
+
+def steady_steps(steps: int) -> list[int]:
+    """The steps whose medians make the steady-state schedule: 2 .. steps - 3."""
+    return list(range(2, max(3, steps - 2)))
+
+
 def report(marks: np.ndarray, steps: int, which: str) -> None:
     if steps < 5:
         sys.exit(f"{steps} steps: too few for a steady step (steps 2 .. steps - 3)")
     names = role_events(which)
-    live = marks[:, META_ROLE, 0, META_START] != 0
-    ctas = np.flatnonzero(live)
-    ctas = ctas[ctas >= 264] if (ctas >= 264).any() else ctas  # past the first two waves when there are more
+    ctas = sampled(np.flatnonzero(marks[:, META_ROLE, 0, META_START] != 0))
     m = marks[ctas]
     start = m[:, META_ROLE, 0, META_START]
     top = m[:, 0, :steps, 0]
     print(f"{len(ctas)} CTAs, {steps} steps each")
     period = since(top[:, 1:], top[:, :-1])
-    mid = slice(2, max(3, steps - 2))
     print(f"step period (consumer 0's loop top to top), median of steps 2..{steps - 3}: "
-          f"{np.median(period[:, mid]):.0f} cycles")
+          f"{np.median(period[:, steady_steps(steps)]):.0f} cycles")
     print(f"start -> step 0's top {np.median(since(top[:, 0], start)):.0f}; "
           f"last step's top -> consumer 0's end {np.median(since(m[:, META_ROLE, 0, META_ROLE_END], top[:, steps - 1])):.0f}; "
           f"start -> end {np.median(since(m[:, META_ROLE, 0, META_ROLE_END], start)):.0f}")
-    steady = list(range(2, max(3, steps - 2)))
+    steady = steady_steps(steps)
     base = m[:, 0, steady, 0]
     for role, (label, events) in enumerate(names):
         print(f"{label}, this step:")
@@ -157,22 +164,21 @@ def report_pairs(marks: np.ndarray, steps: int) -> None:
     """The paired backward's first merge of each warpgroup, per pair rank (CTA
     2c + r is rank r of cluster c); nothing where no merge marked its steps."""
     live = np.flatnonzero(marks[:, META_ROLE, 0, META_START] != 0)
-    rank0 = live[(live % 2 == 0) & np.isin(live + 1, live)]
-    rank0 = rank0[rank0 >= 264] if (rank0 >= 264).any() else rank0  # past the first two waves
-    steady = list(range(2, max(3, steps - 2)))
-    roles = [(0, "WG0 (scores)", "ScoresMark", "kScores"), (1, "WG1 (grads)", "GradsMark", "kGrads")]
+    rank0 = sampled(live[(live % 2 == 0) & np.isin(live + 1, live)])
     if len(rank0) == 0:
         return
-    first = {}
-    for role, _, enum, prefix in roles:
-        value = {name: v for v, name in enum_names("sparse_mla/bwd_kernel.cuh", enum).items()}
-        first[role] = [value[prefix + step] for step in ("FirstProductDone", "FirstLandingFree", "FirstReceived")]
-        if not marks[rank0][:, role, steady, first[role][1]].any():
+    steady = steady_steps(steps)
+    # Each consumer's (label, its first merge's product, landing-free and received events).
+    consumers = []
+    for role, (label, events) in enumerate(role_events("bwd")[:2]):
+        first = [next(v for v, name in events.items() if name.endswith(step))
+                 for step in ("FirstProductDone", "FirstLandingFree", "FirstReceived")]
+        if not marks[rank0][:, role, steady, first[1]].any():
             return  # unpaired: no merge waited on a partner
+        consumers.append((label, *first))
     tops = since(marks[rank0 + 1, 0, 0, 0], marks[rank0, 0, 0, 0])
     print(f"pairs: {len(rank0)}; rank 1's first loop top minus rank 0's: median {np.median(tops):.0f} cycles")
-    for role, label, _, _ in roles:
-        product, free, received = first[role]
+    for role, (label, product, free, received) in enumerate(consumers):
         for rank in (0, 1):
             me = marks[rank0 + rank][:, role, steady]
             other = marks[rank0 + 1 - rank][:, role, steady]
