@@ -42,14 +42,15 @@ ffi::Error AttnDistFwdCall(const char* target, cudaStream_t stream, ffi::Buffer<
   const int32_t* ranges = nullptr;
   if (auto e = CheckRowRanges(check, row_ranges, B, S, &ranges); e.failure()) return e;
   if (auto e = check.Shape("out", out->dimensions(), {B, G, S, T}, "[B, G, S, T]"); e.failure()) return e;
-  if (!(std::isfinite(sm_scale) && sm_scale > 0.f))
-    return check.Invalid("sm_scale must be finite and > 0, got " + std::to_string(sm_scale));
+  // sm_scale * log2(e) in float32, the kernel's scale, must stay finite too.
+  if (!(std::isfinite(sm_scale) && sm_scale > 0.f && std::isfinite(float(double(sm_scale) * 1.4426950408889634))))
+    return check.Invalid("sm_scale must be > 0 and finite, also times log2(e) in float32, got " +
+                         std::to_string(sm_scale));
   if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
 
   if (out->element_count() == 0) return ffi::Error::Success();  // nothing to write, no launch
 
-  if (S > kIntMax || N > kIntMax || T > kIntMax || B * S * G > kIntMax)
-    return check.Invalid("problem too large: B * S * G, S, N and T must be < 2^31");
+  if (auto e = CheckProblemSize(check, S, N, T, B * S * G, "B * S * G"); e.failure()) return e;
   if (!Aligned16(q.untyped_data()) || !Aligned16(k.untyped_data()))
     return check.Invalid("q and k must be 16-byte aligned");
 

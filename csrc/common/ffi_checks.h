@@ -19,6 +19,10 @@ namespace attn_dist {
 namespace ffi = xla::ffi;
 
 inline constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+// A row's slots (T, or indexer_topk's topk): the kernels count them in int32
+// and step up to 128 past the last one, so a row holds at most 2^30
+// (jax_attn_dist/_core/checks.py's MAX_SLOTS).
+inline constexpr int64_t kMaxSlots = int64_t(1) << 30;
 
 inline std::string Shape(ffi::Span<const int64_t> dims) {
   std::string s = "[";
@@ -80,11 +84,22 @@ inline ffi::Error CheckRowRanges(const Checker& check, const OptionalRanges& row
   const auto rd = row_ranges->dimensions();
   const bool given = rd.size() == 3 && rd[2] == kRowRangeFields;
   if (auto e = check.Shape("row_ranges", rd, {B, S, given ? kRowRangeFields : 0},
-                           given ? "[B, S, 3]" : "[B, S, 0] (none) or [B, S, 3]");
+                           given ? "[B, S, 3]" : "[B, S, 3], or [B, S, 0] for none");
       e.failure())
     return e;
   if (given) *ranges = row_ranges->typed_data();
   return ffi::Error::Success();
+}
+
+// The sizes every kernel counts in int32: S, N and the grid's rows (what
+// `rows` says they are) below 2^31, a row's slots T at most kMaxSlots.
+inline ffi::Error CheckProblemSize(const Checker& check, int64_t S, int64_t N, int64_t T, int64_t rows,
+                                   const char* rows_what) {
+  if (S <= kIntMax && N <= kIntMax && T <= kMaxSlots && rows <= kIntMax) return ffi::Error::Success();
+  return check.Invalid(std::string("problem too large: S, N and ") + rows_what +
+                       " must be < 2^31 and T at most 2^30, got S = " + std::to_string(S) + ", N = " +
+                       std::to_string(N) + ", T = " + std::to_string(T) + ", " + rows_what + " = " +
+                       std::to_string(rows));
 }
 
 }  // namespace attn_dist

@@ -55,8 +55,7 @@ ffi::Error CheckIndexerOperands(const Checker& check, const ffi::Buffer<ffi::BF1
   if (!(std::isfinite(scale) && scale > 0.f))
     return check.Invalid("scale must be finite and > 0, got " + std::to_string(scale));
   if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
-  if (S > kIntMax || N > kIntMax || T > kIntMax || B * S > kIntMax)
-    return check.Invalid("problem too large: B * S, N and T must be < 2^31");
+  if (auto e = CheckProblemSize(check, S, N, T, B * S, "B * S"); e.failure()) return e;
   if (!Aligned16(index_q.untyped_data()) || !Aligned16(index_k.untyped_data()))
     return check.Invalid("index_q and index_k must be 16-byte aligned");
   *dims = IndexerDims{B, S, HI, DI, N, T};

@@ -51,12 +51,10 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer index_q, ffi::Any
   if (auto e = check.Shape("indices", od, {B, S, 1, T}, "[B, S, 1, topk]"); e.failure()) return e;
   const int32_t* ranges = nullptr;
   if (auto e = CheckRowRanges(check, row_ranges, B, S, &ranges); e.failure()) return e;
-  if (!std::isfinite(scale)) return check.Invalid("scale must be finite, got " + std::to_string(scale));
+  if (!(std::isfinite(scale) && scale > 0.f))
+    return check.Invalid("scale must be finite and > 0, got " + std::to_string(scale));
   if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
-  if (B > kIntMax || S > kIntMax || N > kIntMax || T > kIntMax || B * S > kIntMax)
-    return check.Invalid("problem too large: B, S, N, topk and B * S must be < 2^31, got B = " + std::to_string(B) +
-                         ", S = " + std::to_string(S) + ", N = " + std::to_string(N) + ", topk = " +
-                         std::to_string(T));
+  if (auto e = CheckProblemSize(check, S, N, T, B * S, "B * S"); e.failure()) return e;  // T: topk
   if (B * S * T == 0) return ffi::Error::Success();  // no output element, no launch
   if (!Aligned16(index_q.untyped_data()) || (N > 0 && !Aligned16(index_k.untyped_data())))
     return check.Invalid("index_q and index_k must be 16-byte aligned");

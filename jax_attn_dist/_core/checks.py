@@ -28,6 +28,10 @@ IMPLEMENTATIONS = (None, "cuda", "xla")
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
+#: A row's slots (T, or indexer_topk's topk) the CUDA kernels take at most:
+#: they count them in int32 and step up to 128 past the last one (the
+#: handlers check the same limit: csrc/common/ffi_checks.h's kMaxSlots).
+MAX_SLOTS = 2**30
 
 
 def fmt_shape(shape) -> str:
@@ -128,6 +132,16 @@ def check_causal(causal: Any, who: str) -> bool:
     return bool(causal)
 
 
+def kernel_size_reason(*, S: int, N: int, T: Optional[int], rows: int, rows_what: str) -> Optional[str]:
+    """Why a CUDA kernel cannot take these sizes, or None: S, N and the
+    grid's ``rows`` (``rows_what`` names them) are counted in int32, a row's
+    slots ``T`` (None: not known yet) are at most ``MAX_SLOTS``."""
+    if S > INT32_MAX or N > INT32_MAX or rows > INT32_MAX or (T is not None and T > MAX_SLOTS):
+        return (f"the CUDA kernels take S, N and {rows_what} below 2^31 and at most 2^30 slots a row, got S = {S}, "
+                f"N = {N}, T = {T}, {rows_what} = {rows}")
+    return None
+
+
 def check_k_stride(k_stride: Any, who: str) -> int:
     if isinstance(k_stride, (bool, np.bool_)) or not isinstance(
         k_stride, (int, np.integer)
@@ -138,7 +152,7 @@ def check_k_stride(k_stride: Any, who: str) -> int:
         )
     value = int(k_stride)
     if not (1 <= value <= INT32_MAX):
-        raise ValueError(f"{who}: `k_stride` must be an int >= 1, got {value}")
+        raise ValueError(f"{who}: `k_stride` must be an int >= 1 and at most 2^31 - 1, got {value}")
     return value
 
 

@@ -5,6 +5,7 @@ and gradients of functions that use the indices."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -175,6 +176,26 @@ def test_cuda_lowering_calls_the_kernel(cross_lowering, batched, wdt, key_scale,
     assert topk_contract.FFI_TARGET not in _lower(f, (iq, ik, w, qs), "cpu")
 
 
+@pytest.mark.parametrize("HI", [1, 32, 63])
+def test_cuda_lowering_serves_fewer_heads_than_the_variant(cross_lowering, HI):
+    """The launcher serves HI up to the variant's heads (the weights past HI
+    are zero): the kernel is called with the caller's HI."""
+    iq, ik, w, kw = make_topk_inputs(0, S=4, HI=HI, DI=128, N=9)
+    problem = topk_contract.check_problem(iq, ik, w, kw.get("index_k_scale"))
+    assert indexer_topk_kernel_supports(problem) == (True, "supported")
+    (call,) = _CALL.findall(_lower(lambda *a: indexer_topk(*a, topk=5, **kw), (iq, ik, w), "cuda"))
+    assert f"tensor<1x4x{HI}x128xbf16>" in call, call
+
+
+def test_kernel_refuses_more_slots_than_it_counts():
+    """topk above 2^30 (the kernels' slot limit) falls back, with the reason."""
+    iq, ik, w, kw = make_topk_inputs(0, S=4, HI=64, DI=128, N=9)
+    problem = dataclasses.replace(topk_contract.check_problem(iq, ik, w, kw.get("index_k_scale")), T=2**30 + 1)
+    ok, why = indexer_topk_kernel_supports(problem)
+    assert not ok and "at most 2^30 slots" in why, why
+    assert indexer_topk_kernel_supports(dataclasses.replace(problem, T=2**30))[0]
+
+
 def test_cuda_lowering_of_packed_rows(cross_lowering):
     """With cu_seqlens the row ranges [B, S, 3] are the operand and the
     rule is in them (causal = false)."""
@@ -186,7 +207,7 @@ def test_cuda_lowering_of_packed_rows(cross_lowering):
     assert "tensor<1x6x3xi32>) -> tensor<1x6x1x3xi32>" in call and "causal = false" in call, call
 
 
-@pytest.mark.parametrize("change", [dict(dtype=F32), dict(dtype=F16), dict(DI=64), dict(HI=32)])
+@pytest.mark.parametrize("change", [dict(dtype=F32), dict(dtype=F16), dict(DI=64), dict(HI=65)])
 def test_cuda_lowering_uses_xla_where_the_kernel_does_not_apply(cross_lowering, change):
     shape = dict(HI=64, DI=128, dtype=BF16)
     shape.update(change)

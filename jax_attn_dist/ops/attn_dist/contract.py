@@ -153,4 +153,8 @@ def kernel_supports(problem: Problem) -> Tuple[bool, str]:
         return False, (
             f"the CUDA kernel takes head dim D in {list(KERNEL_HEAD_DIMS)}, got D = {problem.D}"
         )
+    too_large = checks.kernel_size_reason(S=problem.S, N=problem.N, T=problem.T,
+                                          rows=problem.B * problem.S * problem.G, rows_what="B * S * G")
+    if too_large:
+        return False, too_large
     return True, "supported"

@@ -179,6 +179,10 @@ def kernel_supports(problem: Problem) -> Tuple[bool, str]:
         )
     if problem.HI > KERNEL_MAX_HEADS:
         return False, f"the indexer CUDA kernel takes up to {KERNEL_MAX_HEADS} heads, got HI = {problem.HI}"
+    too_large = checks.kernel_size_reason(S=problem.S, N=problem.N, T=problem.T, rows=problem.B * problem.S,
+                                          rows_what="B * S")
+    if too_large:
+        return False, too_large
     return True, "supported"
 
 

@@ -124,7 +124,8 @@ def check_topk(topk: Any, who: str = "indexer_topk") -> int:
         raise TypeError(f"{who}: `topk` must be a Python int >= 1 (static), got {type(topk).__name__}: {topk!r}")
     value = int(topk)
     if not (1 <= value <= checks.INT32_MAX):
-        raise ValueError(f"{who}: `topk` must be an int >= 1 (the number of keys kept per query row), got {value}")
+        raise ValueError(f"{who}: `topk` must be an int >= 1 and at most 2^31 - 1 (the number of keys kept per "
+                         f"query row), got {value}")
     return value
 
 
@@ -165,14 +166,20 @@ def check_params(*, topk, scale, causal, k_stride, who: str = "indexer_topk") ->
 
 def kernel_supports(problem: Problem) -> Tuple[bool, str]:
     """Whether the indexer_topk CUDA kernel serves this problem, and if not,
-    why: index_q/index_k of a dtype in ``KERNEL_DTYPES`` (bfloat16), (DI, HI)
-    in ``KERNEL_VARIANTS``; any S, N, topk >= 1, batch, packed rows, traced
-    q_start; weights float32 or bfloat16."""
+    why: index_q/index_k of a dtype in ``KERNEL_DTYPES``, a DI of
+    ``KERNEL_VARIANTS`` with at most that entry's HI heads; S, N, B * S below
+    2^31 and topk at most 2^30; batch, packed rows, traced q_start; weights
+    float32 or bfloat16."""
     if checks.dtype_name(problem.dtype) not in KERNEL_DTYPES:
         return False, (f"the indexer_topk CUDA kernel takes index_q/index_k of dtype {' or '.join(KERNEL_DTYPES)}, "
                        f"got {checks.dtype_name(problem.dtype)}")
-    if (problem.DI, problem.HI) not in KERNEL_VARIANTS:
-        built = ", ".join(f"(DI = {d}, HI = {h})" for d, h in KERNEL_VARIANTS)
+    # The launcher takes the variant with the fewest heads that holds HI (csrc/indexer_topk/variants.h).
+    if not any(d == problem.DI and 1 <= problem.HI <= h for d, h in KERNEL_VARIANTS):
+        built = ", ".join(f"(DI = {d}, HI <= {h})" for d, h in KERNEL_VARIANTS)
         return False, (f"the indexer_topk CUDA kernel is built for {built}, got DI = {problem.DI}, "
                        f"HI = {problem.HI}")
+    too_large = checks.kernel_size_reason(S=problem.S, N=problem.N, T=problem.T, rows=problem.B * problem.S,
+                                          rows_what="B * S")
+    if too_large:
+        return False, too_large
     return True, "supported"
