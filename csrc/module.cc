@@ -63,6 +63,8 @@ NB_MODULE(_cuda, m) {
     d[kAttnDistFwdIntoTarget] = Capsule(kAttnDistFwdInto);
     d[kIndexerFwdIntoTarget] = Capsule(kIndexerFwdInto);
     d[kIndexerBwdIntoTarget] = Capsule(kIndexerBwdInto);
+    d[kSparseMlaFwdIntoTarget] = Capsule(kSparseMlaFwdInto);
+    d[kSparseMlaBwdIntoTarget] = Capsule(kSparseMlaBwdInto);
 #endif
     return d;
   });

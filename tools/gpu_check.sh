@@ -31,7 +31,7 @@ run() {  # name, command...  (the step's limit: $STEP_LIMIT if set, else STEP_TI
 }
 GPU_TESTS=(tests/attn_dist/test_gpu.py tests/attn_dist/test_gpu_transforms.py tests/indexer/test_gpu.py
            tests/packing/test_gpu.py tests/package/test_gpu_command_buffers.py tests/package/test_xla_precision.py
-           tests/sparse_mla/test_gpu.py tests/sparse_mla/test_gpu_backward.py tests/indexer_topk/test_gpu.py
+           tests/sparse_mla/test_gpu.py tests/sparse_mla/test_gpu_backward.py tests/sparse_mla/test_gpu_poisoned.py tests/indexer_topk/test_gpu.py
            tests/dsa/test_gpu.py)
 for step in "${steps[@]}"; do
   case $step in

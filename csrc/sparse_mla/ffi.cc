@@ -49,8 +49,10 @@ ffi::Error CheckRowOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& 
   if (auto e = check.Shape("indices", id, {B, S, 1, r->T}, "[B, S, 1, T]"); e.failure()) return e;
   if (auto e = check.Shape("q_start", q_start.dimensions(), {B}, "[B]"); e.failure()) return e;
   if (auto e = CheckRowRanges(check, row_ranges, B, S, &r->ranges); e.failure()) return e;
-  if (!(std::isfinite(sm_scale) && sm_scale > 0.f))
-    return check.Invalid("sm_scale must be finite and > 0, got " + std::to_string(sm_scale));
+  // sm_scale * log2(e) in float32, the kernels' scale, must stay finite too.
+  if (!(std::isfinite(sm_scale) && sm_scale > 0.f && std::isfinite(float(double(sm_scale) * 1.4426950408889634))))
+    return check.Invalid("sm_scale must be > 0 and finite, also times log2(e) in float32, got " +
+                         std::to_string(sm_scale));
   if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
   return ffi::Error::Success();
 }
@@ -58,9 +60,8 @@ ffi::Error CheckRowOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& 
 // The launch limits both kernels share (one CTA per row and 64-head tile).
 ffi::Error CheckLaunchSize(const Checker& check, const RowProblem& r) {
   const int64_t head_tiles = (r.H + 63) / 64;
-  if (r.S > kIntMax || r.N > kIntMax || r.T > kIntMax || r.H > kIntMax || r.B * r.S * head_tiles > kIntMax)
-    return check.Invalid("problem too large: B * S * ceil(H / 64), S, N, H and T must be < 2^31");
-  return ffi::Error::Success();
+  if (r.H > kIntMax) return check.Invalid("problem too large: H must be < 2^31, got " + std::to_string(r.H));
+  return CheckProblemSize(check, r.S, r.N, r.T, r.B * r.S * head_tiles, "B * S * ceil(H / 64)");
 }
 
 // The fields SparseMlaFwdParams and SparseMlaBwdParams share.
@@ -86,11 +87,14 @@ void SetRowParams(Params& p, const RowProblem& r, const ffi::Buffer<ffi::BF16>& 
   p.row_ranges = r.ranges;
 }
 
-ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
-                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start, OptionalRanges row_ranges,
-                            ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                            float sm_scale, bool causal, int32_t k_stride, bool lse_base_e) {
-  const Checker check{kSparseMlaFwdTarget};
+}  // namespace
+
+ffi::Error SparseMlaFwdCall(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> q,
+                            ffi::Buffer<ffi::BF16> kv, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+                            OptionalRanges row_ranges, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale, bool causal, int32_t k_stride,
+                            bool lse_base_e) {
+  const Checker check{target};
   RowProblem r{};
   if (auto e = CheckRowOperands(check, q, kv, indices, q_start, row_ranges, sm_scale, k_stride, &r); e.failure())
     return e;
@@ -102,7 +106,8 @@ ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
   if (lse->element_count() == 0) return ffi::Error::Success();  // nothing to write, no launch
 
   if (auto e = CheckLaunchSize(check, r); e.failure()) return e;
-  if (!Aligned16(q.untyped_data()) || !Aligned16(kv.untyped_data()) || !Aligned16(out->untyped_data()))
+  // (kv only where it has a key: an empty buffer's pointer need not be aligned)
+  if (!Aligned16(q.untyped_data()) || (r.N > 0 && !Aligned16(kv.untyped_data())) || !Aligned16(out->untyped_data()))
     return check.Invalid("q, kv and out must be 16-byte aligned");
 
   SparseMlaFwdParams p{};
@@ -113,6 +118,8 @@ ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
   const char* detail = "";
   return check.Launched(run_sparse_mla_fwd(p, stream, &detail), detail);
 }
+
+namespace {
 
 int64_t AlignUp(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -162,7 +169,7 @@ ffi::Error CheckBwdOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& 
 ffi::Error CheckBwdLaunch(const Checker& check, const RowProblem& r, std::initializer_list<const void*> pointers) {
   if (auto e = CheckLaunchSize(check, r); e.failure()) return e;
   for (const void* ptr : pointers)
-    if (!Aligned16(ptr))
+    if (ptr != nullptr && !Aligned16(ptr))
       return check.Invalid("q, kv, out, dout, the gradients and the workspace must be 16-byte aligned");
   return ffi::Error::Success();
 }
@@ -188,14 +195,16 @@ ffi::Error Zero(const Checker& check, void* ptr, size_t bytes, cudaStream_t stre
   return ffi::Error::Internal(std::string(check.target) + ": cudaMemsetAsync failed");
 }
 
-ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
-                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+}  // namespace
+
+ffi::Error SparseMlaBwdCall(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> q,
+                            ffi::Buffer<ffi::BF16> kv, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
                             ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::BF16> out, ffi::Buffer<ffi::F32> lse,
                             ffi::Buffer<ffi::BF16> dout, ffi::Buffer<ffi::F32> dlse,
                             ffi::Result<ffi::Buffer<ffi::BF16>> dq, ffi::Result<ffi::Buffer<ffi::F32>> dkv,
                             ffi::Result<ffi::Buffer<ffi::U8>> workspace, float sm_scale, bool causal,
                             int32_t k_stride, bool lse_base_e, bool deterministic) {
-  const Checker check{kSparseMlaBwdTarget};
+  const Checker check{target};
   RowProblem r{};
   if (auto e = CheckBwdOperands(check, q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, sm_scale, k_stride,
                                 &r);
@@ -212,9 +221,11 @@ ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
   // no query rows: no gradient reaches kv
   if (dq->element_count() == 0) return Zero(check, dkv->untyped_data(), dkv->size_bytes(), stream);
 
+  const bool keys = r.N > 0;  // an empty kv or dkv's pointer need not be aligned
   if (auto e = CheckBwdLaunch(check, r,
-                              {q.untyped_data(), kv.untyped_data(), out.untyped_data(), dout.untyped_data(),
-                               dq->untyped_data(), dkv->untyped_data(), workspace->untyped_data()});
+                              {q.untyped_data(), keys ? kv.untyped_data() : nullptr, out.untyped_data(),
+                               dout.untyped_data(), dq->untyped_data(), keys ? dkv->untyped_data() : nullptr,
+                               workspace->untyped_data()});
       e.failure())
     return e;
 
@@ -234,6 +245,27 @@ ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
 
   const char* detail = "";
   return check.Launched(run_sparse_mla_bwd(p, stream, &detail), detail);
+}
+
+namespace {
+
+ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
+                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start, OptionalRanges row_ranges,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                            float sm_scale, bool causal, int32_t k_stride, bool lse_base_e) {
+  return SparseMlaFwdCall(kSparseMlaFwdTarget, stream, q, kv, indices, q_start, row_ranges, out, lse, sm_scale,
+                          causal, k_stride, lse_base_e);
+}
+
+ffi::Error SparseMlaBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
+                            ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+                            ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::BF16> out, ffi::Buffer<ffi::F32> lse,
+                            ffi::Buffer<ffi::BF16> dout, ffi::Buffer<ffi::F32> dlse,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> dq, ffi::Result<ffi::Buffer<ffi::F32>> dkv,
+                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, float sm_scale, bool causal,
+                            int32_t k_stride, bool lse_base_e, bool deterministic) {
+  return SparseMlaBwdCall(kSparseMlaBwdTarget, stream, q, kv, indices, q_start, row_ranges, out, lse, dout, dlse, dq,
+                          dkv, workspace, sm_scale, causal, k_stride, lse_base_e, deterministic);
 }
 
 // The sharded deterministic backward, first call: the row terms and the
@@ -329,21 +361,6 @@ ffi::Error SparseMlaBwdFixedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, 
 
 }  // namespace
 
-// The operands every backward handler takes first, in this order: the
-// forward's inputs and outputs and the cotangents.
-inline auto SparseMlaBwdOperands() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::Buffer<ffi::BF16>>()  // q
-      .Arg<ffi::Buffer<ffi::BF16>>()  // kv
-      .Arg<ffi::Buffer<ffi::S32>>()   // indices
-      .Arg<ffi::Buffer<ffi::S32>>()   // q_start
-      .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
-      .Arg<ffi::Buffer<ffi::BF16>>()  // out
-      .Arg<ffi::Buffer<ffi::F32>>()   // lse
-      .Arg<ffi::Buffer<ffi::BF16>>()  // dout
-      .Arg<ffi::Buffer<ffi::F32>>();  // dlse
-}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaFwd, SparseMlaFwdImpl,
                               ffi::Ffi::Bind()

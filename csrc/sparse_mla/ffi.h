@@ -1,10 +1,18 @@
 // The sparse_mla op's XLA FFI targets (sparse_mla/ffi.cc): their names and
-// handler symbols. jax_attn_dist's op contract holds the same name (a test
-// checks that registrations() offers it).
+// handler symbols, and what csrc/testing/ reuses for the poisoned twins of
+// the forward and the backward: the checked bodies and the backward's operand
+// list. jax_attn_dist's op contract holds the same names (a test checks that
+// registrations() offers them).
 #pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
 
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
+
+#include "../common/ffi_checks.h"
 
 namespace attn_dist {
 
@@ -18,6 +26,37 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaFwd);
 // forward's plus deterministic.
 inline constexpr const char* kSparseMlaBwdTarget = "jax_attn_dist_sparse_mla_bwd";
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaBwd);
+
+// The forward's and the backward's checks and launch; `target` names them in
+// errors.
+ffi::Error SparseMlaFwdCall(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> q,
+                            ffi::Buffer<ffi::BF16> kv, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+                            OptionalRanges row_ranges, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale, bool causal, int32_t k_stride,
+                            bool lse_base_e);
+ffi::Error SparseMlaBwdCall(const char* target, cudaStream_t stream, ffi::Buffer<ffi::BF16> q,
+                            ffi::Buffer<ffi::BF16> kv, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+                            ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::BF16> out, ffi::Buffer<ffi::F32> lse,
+                            ffi::Buffer<ffi::BF16> dout, ffi::Buffer<ffi::F32> dlse,
+                            ffi::Result<ffi::Buffer<ffi::BF16>> dq, ffi::Result<ffi::Buffer<ffi::F32>> dkv,
+                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, float sm_scale, bool causal,
+                            int32_t k_stride, bool lse_base_e, bool deterministic);
+
+// The operands every backward handler takes first, in this order: the
+// forward's inputs and outputs and the cotangents.
+inline auto SparseMlaBwdOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()  // q
+      .Arg<ffi::Buffer<ffi::BF16>>()  // kv
+      .Arg<ffi::Buffer<ffi::S32>>()   // indices
+      .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+      .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
+      .Arg<ffi::Buffer<ffi::BF16>>()  // out
+      .Arg<ffi::Buffer<ffi::F32>>()   // lse
+      .Arg<ffi::Buffer<ffi::BF16>>()  // dout
+      .Arg<ffi::Buffer<ffi::F32>>();  // dlse
+}
 
 // The deterministic backward of a call whose rows are sharded, split around
 // its all-reduces: (the backward's nine operands) -> (row_delta f32 [B, S,

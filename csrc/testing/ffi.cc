@@ -1,5 +1,5 @@
 // The poisoned twins of the op targets (testing/ffi.h): the op handlers'
-// checked bodies (attn_dist/ffi.cc, indexer/ffi.cc) after a check that the
+// checked bodies (attn_dist/ffi.cc, indexer/ffi.cc, sparse_mla/ffi.cc) after a check that the
 // extra operands are aliased to the outputs. The row ranges come in place,
 // before the aliased inputs.
 #include "ffi.h"
@@ -10,6 +10,7 @@
 
 #include "../attn_dist/ffi.h"
 #include "../indexer/ffi.h"
+#include "../sparse_mla/ffi.h"
 
 namespace attn_dist {
 namespace {
@@ -61,6 +62,34 @@ ffi::Error IndexerBwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> index_
                         deterministic);
 }
 
+ffi::Error SparseMlaFwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
+                                ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+                                ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::BF16> out_init,
+                                ffi::Buffer<ffi::F32> lse_init, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale, bool causal, int32_t k_stride,
+                                bool lse_base_e) {
+  if (out_init.untyped_data() != out->untyped_data() || lse_init.untyped_data() != lse->untyped_data())
+    return Checker{kSparseMlaFwdIntoTarget}.Invalid(
+        "out_init and lse_init must be aliased to the outputs (input_output_aliases={5: 0, 6: 1})");
+  return SparseMlaFwdCall(kSparseMlaFwdIntoTarget, stream, q, kv, indices, q_start, OptionalRanges(row_ranges), out,
+                          lse, sm_scale, causal, k_stride, lse_base_e);
+}
+
+ffi::Error SparseMlaBwdIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> kv,
+                                ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> q_start,
+                                ffi::Buffer<ffi::S32> row_ranges, ffi::Buffer<ffi::BF16> out,
+                                ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::BF16> dout, ffi::Buffer<ffi::F32> dlse,
+                                ffi::Buffer<ffi::BF16> dq_init, ffi::Buffer<ffi::F32> dkv_init,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> dq, ffi::Result<ffi::Buffer<ffi::F32>> dkv,
+                                ffi::Result<ffi::Buffer<ffi::U8>> workspace, float sm_scale, bool causal,
+                                int32_t k_stride, bool lse_base_e, bool deterministic) {
+  if (dq_init.untyped_data() != dq->untyped_data() || dkv_init.untyped_data() != dkv->untyped_data())
+    return Checker{kSparseMlaBwdIntoTarget}.Invalid(
+        "dq_init and dkv_init must be aliased to the outputs (input_output_aliases={9: 0, 10: 1})");
+  return SparseMlaBwdCall(kSparseMlaBwdIntoTarget, stream, q, kv, indices, q_start, row_ranges, out, lse, dout, dlse,
+                          dq, dkv, workspace, sm_scale, causal, k_stride, lse_base_e, deterministic);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAttnDistFwdInto, AttnDistFwdIntoImpl,
@@ -80,6 +109,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwdInto, IndexerBwdIntoImpl,
                                                             .Arg<ffi::Buffer<ffi::BF16>>()   // dq_init
                                                             .Arg<ffi::Buffer<ffi::F32>>()    // dw_init
                                                             .Arg<ffi::Buffer<ffi::F32>>()),  // dk_init
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaFwdInto, SparseMlaFwdIntoImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // out_init
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse_init
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Attr<float>("sm_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("k_stride")
+                                  .Attr<bool>("lse_base_e"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwdInto, SparseMlaBwdIntoImpl,
+                              SparseMlaBwdOperands()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // dq_init
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dkv_init
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dkv
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<float>("sm_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("k_stride")
+                                  .Attr<bool>("lse_base_e")
+                                  .Attr<bool>("deterministic"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace attn_dist

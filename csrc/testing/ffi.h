@@ -26,4 +26,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerFwdInto);
 inline constexpr const char* kIndexerBwdIntoTarget = "jax_attn_dist_indexer_bwd_into";
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexerBwdInto);
 
+// (q, kv, indices, q_start, row_ranges, out_init, lse_init) -> (out, lse),
+// aliased {5: 0, 6: 1}.
+inline constexpr const char* kSparseMlaFwdIntoTarget = "jax_attn_dist_sparse_mla_fwd_into";
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaFwdInto);
+
+// (the backward's nine operands, dq_init, dkv_init) -> (dq, dkv, workspace),
+// aliased {9: 0, 10: 1}.
+inline constexpr const char* kSparseMlaBwdIntoTarget = "jax_attn_dist_sparse_mla_bwd_into";
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kSparseMlaBwdInto);
+
 }  // namespace attn_dist

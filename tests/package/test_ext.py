@@ -224,7 +224,8 @@ def test_the_built_extension_matches_this_checkout():
                   sparse_mla_contract.FFI_TARGET, sparse_mla_contract.BWD_FFI_TARGET,
                   sparse_mla_contract.BWD_BOUND_FFI_TARGET, sparse_mla_contract.BWD_FIXED_FFI_TARGET,
                   fixed_point.LIMBS_TO_FLOAT_TARGET, topk_contract.FFI_TARGET}
-    test_only = {attn_contract.FFI_TEST_TARGET, indexer_contract.FWD_FFI_TEST_TARGET, indexer_contract.BWD_FFI_TEST_TARGET}
+    test_only = {attn_contract.FFI_TEST_TARGET, indexer_contract.FWD_FFI_TEST_TARGET, indexer_contract.BWD_FFI_TEST_TARGET,
+                 sparse_mla_contract.FFI_TEST_TARGET, sparse_mla_contract.BWD_FFI_TEST_TARGET}
     built_test_targets = getattr(module, "test_targets_built", lambda: True)()
     assert set(module.registrations()) == production | (test_only if built_test_targets else set())
     assert tuple(module.attn_dist_head_dims()) == attn_contract.KERNEL_HEAD_DIMS

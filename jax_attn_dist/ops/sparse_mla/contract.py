@@ -17,10 +17,13 @@ import numpy as np
 from ..._core import checks
 from .variants import KERNEL_VARIANTS
 
-#: XLA FFI targets of the forward and backward kernels (csrc/sparse_mla/).
-#: There is no test-only twin writing into a poisoned output for this op.
+#: XLA FFI targets of the forward and backward kernels (csrc/sparse_mla/),
+#: and their test-only twins that write into aliased, poisoned outputs
+#: (built only with the test targets, csrc/testing/).
 FFI_TARGET = "jax_attn_dist_sparse_mla_fwd"
+FFI_TEST_TARGET = "jax_attn_dist_sparse_mla_fwd_into"
 BWD_FFI_TARGET = "jax_attn_dist_sparse_mla_bwd"
+BWD_FFI_TEST_TARGET = "jax_attn_dist_sparse_mla_bwd_into"
 #: The deterministic backward of a row-sharded call, in two kernel calls
 #: around the all-reduces (``sharded_fixed_point.py``): the row terms and
 #: scale words, then dq and the shard's fixed-point sums as limbs.
@@ -110,8 +113,8 @@ def check_d_v(d_v: Any, D: int, who: str) -> int:
     value = int(d_v)
     if not 1 <= value <= D:
         raise ValueError(
-            f"{who}: `d_v` (the value width: out = P . kv[:, :d_v]) must satisfy 1 <= d_v <= D = {D} (from `q`), "
-            f"got {value}"
+            f"{who}: `d_v` (the value width: out = P . kv[:, :d_v]; default {KERNEL_D_V}) must satisfy "
+            f"1 <= d_v <= D = {D} (from `q`), got {value}"
         )
     return value
 
@@ -174,6 +177,11 @@ def kernel_supports(problem: Problem, *, d_v: int = KERNEL_D_V) -> Tuple[bool, s
         return False, f"the CUDA kernel takes head dim D in {list(KERNEL_HEAD_DIMS)}, got D = {problem.D}"
     if d_v != KERNEL_D_V:
         return False, f"the CUDA kernel takes d_v = {KERNEL_D_V}, got d_v = {d_v}"
+    too_large = checks.kernel_size_reason(S=problem.S, N=problem.N, T=problem.T,
+                                          rows=problem.B * problem.S * -(-problem.H // 64),
+                                          rows_what="B * S * ceil(H / 64)")
+    if too_large:
+        return False, too_large
     return True, "supported"
 
 

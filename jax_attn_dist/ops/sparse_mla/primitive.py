@@ -134,8 +134,8 @@ def _bwd_out_specs(front):  # dq, dkv: as q and kv
     return P(*dim_specs(front[0])), P(*dim_specs(front[1]))
 
 
-ext.declare_ffi_targets(contract.FFI_TARGET, contract.BWD_FFI_TARGET, contract.BWD_BOUND_FFI_TARGET,
-                        contract.BWD_FIXED_FFI_TARGET)
+ext.declare_ffi_targets(contract.FFI_TARGET, contract.FFI_TEST_TARGET, contract.BWD_FFI_TARGET,
+                        contract.BWD_FFI_TEST_TARGET, contract.BWD_BOUND_FFI_TARGET, contract.BWD_FIXED_FFI_TARGET)
 register_platform_lowerings(
     sparse_mla_local_p, who="sparse_mla", check=contract.check_canonical, supports=contract.kernel_supports,
     supports_params=("d_v",), jnp_impl=reference_canonical, kernel_impl=_ffi_forward, multiple_results=True,
