@@ -4,8 +4,8 @@
 # own directory; then ROUNDS rounds (default 2) run old and new back to back,
 # alternating, so that neither the machine-to-machine spread (about 5 %) nor a
 # drift during the call favours one side.
-#   git archive OLD -o .whl/old.tar                      # here
-#   ROUNDS=3 tools/ab_bench.sh .whl/old.tar OLD NEW idx-v32 ...   # on the device, OUT set
+#   git archive OLD -o .whl/old.tar                      # in the checkout
+#   ROUNDS=3 tools/ab_bench.sh .whl/old.tar OLD NEW idx-v32 ...   # on the GPU machine, OUT set
 # Both sides run this checkout's benchmarks/bench.py (one harness, so only the
 # package differs); a shape the old package cannot serve fails its side.
 # Writes $OUT/ab.json (every round's rows, both sides); the comparison is printed.

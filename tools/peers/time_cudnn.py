@@ -242,7 +242,7 @@ GRAPH_JOBS: dict = {}
 
 
 # ----------------------------------------------------------------------------
-# item 1: indexer forward + top-k
+# The indexer forward + top-k
 # ----------------------------------------------------------------------------
 
 
@@ -391,7 +391,7 @@ TOPK_PLANS: dict = {}
 
 
 # ----------------------------------------------------------------------------
-# item 2: sparse attention backward
+# The sparse attention backward
 # ----------------------------------------------------------------------------
 
 MLA = {}
@@ -562,7 +562,7 @@ def step_bwd(args, H):
 
 
 # ----------------------------------------------------------------------------
-# item 3: sparse attention forward (SM100-only in cuDNN 1.32): record the refusal
+# The sparse attention forward (SM100-only in cuDNN 1.32): record the refusal
 # ----------------------------------------------------------------------------
 
 
