@@ -13,8 +13,9 @@ many pytest-xdist workers ``-n auto`` starts.
   so it is set here, before any test module imports jax. A smaller preset
   value is raised to 8 (it would otherwise make the sharding tests vanish).
   Tests marked ``host_devices(n)`` fail, with a message, if fewer exist.
-* GPU tests are marked ``gpu`` (or ``gpu(n)`` for n GPUs). They need n CUDA
-  GPUs visible to jax and the compiled kernel registered. Otherwise they skip
+* GPU tests are marked ``gpu`` (or ``gpu(n)`` for n GPUs). They need n
+  Hopper (compute capability 9.x, sm_90) GPUs visible to jax and the
+  compiled kernel registered. Otherwise they skip
   -- unless ``JAX_ATTN_DIST_REQUIRE_GPU=N`` with N >= n is set
   (``tools/gpu_check.sh`` sets it): then they fail and say why.
 """
@@ -82,7 +83,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu(n=1): needs n CUDA GPUs and the compiled kernel "
+    config.addinivalue_line("markers", "gpu(n=1): needs n sm_90 (Hopper) GPUs and the compiled kernel "
                                        "(skips, or fails under JAX_ATTN_DIST_REQUIRE_GPU >= n)")
     config.addinivalue_line("markers", "host_devices(n): needs n host CPU devices (fails otherwise)")
 
@@ -108,20 +109,24 @@ def fake_kernel_available(monkeypatch):
 
 
 def gpu_unavailable_reason(n: int, required: bool):
-    """None when n CUDA GPUs are visible and the kernel is registered, else why
+    """None when n Hopper (sm_90) GPUs are visible and the kernel is registered, else why
     not. ``required``: an extension problem (registration error, stale build)
     is a reason too, not only a warning."""
     import jax
 
     from jax_attn_dist._core import ext
 
-    try:
-        gpus = jax.devices("cuda")
-    except RuntimeError:
-        gpus = []
+    gpus = ext.hopper_gpus()  # the sm_90a kernels run on compute capability 9.x only
     if len(gpus) < n:
-        return (f"needs {n} CUDA GPU(s) visible to jax, found {len(gpus)} "
-                f"(default backend {jax.default_backend()!r})")
+        try:
+            cuda = len(jax.devices("cuda"))
+        except RuntimeError:
+            cuda = 0
+        if cuda < n:  # (tests/package/test_ext.py reads this wording on a machine without a GPU)
+            seen = f"needs {n} CUDA GPU(s) visible to jax, found {cuda}"
+        else:
+            seen = f"{cuda} CUDA GPU(s) visible to jax, {len(gpus)} of compute capability 9.x"
+        return f"needs {n} sm_90 GPU(s), found {len(gpus)} ({seen}; default backend {jax.default_backend()!r})"
     try:
         if not ext.extension_registered(required=required):
             return f"the CUDA kernel is not available: {ext.kernel_unavailable_reason()}"

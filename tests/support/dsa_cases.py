@@ -93,3 +93,132 @@ def layer_loss(fn, g):
         return jnp.sum(r[0].astype(jnp.float32) * g) + jnp.mean(r[1])
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+# ----------------------------------------------------------------------------
+# the layer's results and gradients against float64 (SPEC §10.3), shared by the
+# GPU tests (the kernels) and the CPU tests (the same checks on the jnp paths)
+# ----------------------------------------------------------------------------
+
+def check_forward_against_oracle(r, arrays, kw):
+    """SPEC §10.3 on the layer's own indices: ``out`` and ``lse`` by §8.2
+    (out: both of §3.1's measures within SPARSE_MLA_OUT_TOLERANCE; lse:
+    SPARSE_MLA_LSE_TOLERANCE absolute where finite, -inf exactly where the
+    float64 one is), ``indexer_kl`` by §3.2 (INDEXER_TOLERANCE) against the
+    float64 KL towards the float64 target. Returns the measured errors and
+    the oracle's ``(out, lse, kl, target)``."""
+    from sparse_mla_cases import lse_errors
+
+    ref = oracle_layer(arrays, np.asarray(r.indices), kw)
+    ref_out, ref_lse, ref_kl, _ = ref
+    out = np.asarray(jnp.asarray(r.out, jnp.float32))
+    assert np.isfinite(out).all(), "out has non-finite values"
+    assert np.abs(ref_out).max() > 0, "degenerate problem: the oracle's out is all 0"
+    out_rel, out_max = oracle.spec_errors(out, ref_out)
+    tol = oracle.SPARSE_MLA_OUT_TOLERANCE
+    assert out_rel <= tol and out_max <= tol, f"out: rel {out_rel:.3e}, max {out_max:.3e} (tol {tol:g})"
+    lse_err, same_empty = lse_errors(r.lse, ref_lse)
+    assert same_empty, "lse: the rows with no valid slot (-inf) differ from the float64 ones"
+    assert lse_err <= oracle.SPARSE_MLA_LSE_TOLERANCE, f"lse: max abs error {lse_err:.3e}"
+    assert np.all(out[np.isneginf(ref_lse)] == 0), "rows with no valid slot must give out = 0 exactly"
+    oracle.assert_indexer_close(r.indexer_kl, ref_kl)
+    assert float(np.asarray(r.indexer_kl).max()) > 0, "degenerate problem: the KL is all 0"
+    errors = dict(out_rel=out_rel, out_max=out_max, lse=lse_err, kl=oracle.indexer_error(r.indexer_kl, ref_kl))
+    return errors, ref
+
+
+def sparse_mla_grads_f64(q, kv, indices, dout, *, sm_scale, d_v, causal, q_start_index, k_stride, rows=16):
+    """float64 ``(dq, dkv)`` of ``sum(dout * out)`` per SPEC §8.3 (dlse = 0)
+    for the layer's HK = 1, batched, unpacked: the formulas of
+    ``oracle.sparse_mla_grads_oracle`` with the same validity rule, but
+    with each row block's sums over heads and slots as matrix products (the
+    oracle forms a D-vector per valid slot and head: minutes at the GPU
+    tests' size). ``test_api.py`` checks it against the oracle."""
+    q64, dout64 = oracle.to_f64(q), np.asarray(dout, np.float64)
+    assert q64.ndim == 4, "batched problems only"
+    idx = np.asarray(indices).astype(np.int64)
+    B, S, H, D = q64.shape
+    N = kv.shape[1]
+    assert kv.shape[2] == 1 and idx.shape[2] == 1, "HK = 1 only"
+    valid = oracle.valid_mask(idx, N, causal=causal, q_start_index=np.asarray(q_start_index),
+                              k_stride=k_stride)[:, :, 0, :]                   # [B, S, T]
+    dq, dkv = np.zeros_like(q64), np.zeros((B, N, D))
+    for b in range(B):
+        for s0 in range(0, S, rows):
+            s1 = min(S, s0 + rows)
+            v = valid[b, s0:s1]                                                  # [s, T]
+            keys = idx[b, s0:s1, 0]
+            kg = oracle.to_f64(np.asarray(kv[b])[np.clip(keys, 0, max(N - 1, 0)), 0])  # [s, T, D]
+            qb, do = q64[b, s0:s1], dout64[b, s0:s1]                            # [s, H, D], [s, H, d_v]
+            z = np.where(v[:, None, :], sm_scale * (qb @ kg.swapaxes(-1, -2)), -np.inf)  # [s, H, T]
+            m = z.max(-1, keepdims=True)
+            e = np.exp(z - np.where(np.isfinite(m), m, 0.0))
+            total = e.sum(-1, keepdims=True)
+            p = e / np.where(total > 0, total, 1.0)
+            dp = do @ kg[..., :d_v].swapaxes(-1, -2)                              # [s, H, T]
+            ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+            dq[b, s0:s1] = sm_scale * (ds @ kg)
+            terms = sm_scale * (ds.swapaxes(-1, -2) @ qb)                        # [s, T, D]
+            terms[..., :d_v] += p.swapaxes(-1, -2) @ do
+            np.add.at(dkv[b], keys[v], terms[v])
+    return dq, dkv[:, :, None, :]
+
+
+def layer_grads_f64(arrays, kw, indices, g, ref_target):
+    """The float64 side of ``check_layer_grads`` (computed once, checked
+    against several runs): the gradients of ``sum(out * g) + mean(kl)``
+    (``layer_loss``) on the layer's ``indices``. d q and d kv by SPEC §8.3
+    from ``out``'s cotangent ``g`` rounded to out's dtype (as the convert's
+    transpose rounds it); d index_q, d index_k and d weights by §5.3
+    towards the float64 target ``ref_target`` (``oracle_layer``'s), with
+    the cotangent 1 / (B S) per row, with their per-element magnitudes for
+    §3.2's bound; and the entries that take no gradient: dq of a row with
+    no valid slot, dkv of a key in no row's valid slots (not the float64
+    zeros: a row with one valid key has dS = P (dP - Delta) = 0 only in
+    exact arithmetic)."""
+    q, kv, iq, ik, w = arrays
+    rule = dict(causal=kw["causal"], q_start_index=np.asarray(kw["q_start_index"]), k_stride=kw["k_stride"])
+    idx = np.asarray(indices)
+    dout = np.asarray(jnp.asarray(g, q.dtype).astype(jnp.float32))
+    mla = sparse_mla_grads_f64(q, kv, idx, dout, sm_scale=kw["sm_scale"], d_v=kw["d_v"], **rule)
+    rows = np.full(np.shape(ref_target)[:-1], 1.0 / np.prod(np.shape(ref_target)[:-1]))
+    indexer = oracle.indexer_grads_oracle(iq, ik, w, idx, ref_target, rows, scale=kw["indexer_scale"],
+                                          magnitudes=True, **rule)
+    valid = oracle.valid_mask(idx, kv.shape[1], **rule)[:, :, 0, :]
+    selected = np.zeros(kv.shape[:2], bool)
+    for b in range(selected.shape[0]):
+        selected[b, idx[b, :, 0][valid[b]].astype(np.int64)] = True
+    return mla, indexer, (~valid.any(-1), ~selected)
+
+
+def check_layer_grads(grads, arrays, reference):
+    """``layer_loss``'s five gradients against ``reference``
+    (``layer_grads_f64``): d q and d kv within SPEC §8.3's accuracy
+    (relative Frobenius GRAD_TOL, max-abs GRAD_MAX_TOL of the largest
+    entry), in the inputs' dtypes, exactly 0 where they take no gradient;
+    d index_q, d index_k and d weights within SPEC §3.2's per-element bound
+    for the backward kernel. Returns the measured errors: (relative
+    Frobenius, max-abs) for dq and dkv, (largest error / its element's
+    bound, relative Frobenius, max-abs) for the indexer's."""
+    from indexer_cases import BWD_TOLERANCE, assert_bwd_within_bound
+    from sparse_mla_cases import GRAD_MAX_TOL, GRAD_TOL
+
+    mla, (want, mags, ambiguous), no_gradient = reference
+    errors = {}
+    for name, got, ref, x, dead in zip(("q", "kv"), grads[:2], mla, arrays[:2], no_gradient):
+        assert got.dtype == x.dtype, f"d{name}: {got.dtype}, not {x.dtype}"
+        got = np.asarray(jnp.asarray(got, jnp.float32))
+        assert np.isfinite(got).all(), f"d{name} has non-finite values"
+        assert np.abs(ref).max() > 0, f"degenerate problem: the float64 d{name} is all 0"
+        rel, mx = oracle.spec_errors(got, ref)
+        errors[f"d{name}"] = (rel, mx)
+        assert rel <= GRAD_TOL and mx <= GRAD_MAX_TOL, f"d{name}: rel {rel:.3e}, max {mx:.3e}"
+        assert np.all(got[dead] == 0), f"d{name}: entries that take no gradient must be exactly 0"
+    for name, ref in zip(("index_q", "index_k", "weights"), want):
+        assert np.abs(ref).max() > 0, f"degenerate problem: the float64 d{name} is all 0"
+    assert_bwd_within_bound(grads[2:], want, mags, ambiguous)
+    for name, got, ref, mag, amb in zip(("index_q", "index_k", "weights"), grads[2:], want, mags, ambiguous):
+        got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+        bound = BWD_TOLERANCE * mag + amb + 1e-6 * np.abs(ref).max()
+        errors[f"d{name}"] = (float(np.max(np.abs(got - ref) / bound)),) + oracle.spec_errors(got, ref)
+    return errors
