@@ -1,8 +1,10 @@
 """The SM90 indexer_topk kernel on the GPU, through the public API with
 implementation="cuda": every row against the float64 oracle under SPEC
 §9.3's acceptance rule, causal and not, packed rows, batches with per-batch
-q_start, exact ties, determinism, and the indices feeding indexer_kl. GPU
-only (see conftest.py)."""
+q_start (at the int32 limits too, and with rows of fewer valid keys than
+topk or none), malformed cu_seqlens (SPEC §6.3) and raw row ranges through
+the primitive, exact ties, determinism, and the indices feeding indexer_kl.
+GPU only (see conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from inputs import register_kernels, seed_of
 from jax_attn_dist import indexer_kl, indexer_topk, oracle
 from jax_attn_dist.oracle import indexer_topk as topk_oracle
 from jax_attn_dist.ops.indexer_topk import contract as topk_contract
-from topk_inputs import FP8, check_selection, make_topk_inputs, widest_band
+from jax_attn_dist.ops.indexer_topk.autodiff import indexer_topk_canonical
+from topk_inputs import (FP8, INT32_MAX, INT32_MIN, LIMIT_Q_STARTS, adversarial_topk_ranges, assert_row_kinds,
+                         check_selection, make_topk_inputs, raw_range_logits, valid_counts, widest_band)
 
 pytestmark = pytest.mark.gpu
 
@@ -35,11 +39,47 @@ class Case:
     causal: bool = True
     k_stride: int = 1
     per_batch_q_start: bool = False
+    q_start: tuple | None = None    # given per-batch q_start (B entries), in place of a drawn one
 
     @property
     def name(self) -> str:
         return (f"S{self.S}-N{self.N}-k{self.topk}-B{self.B}-c{int(self.causal)}-ks{self.k_stride}"
-                f"-pb{int(self.per_batch_q_start)}")
+                f"-pb{int(self.per_batch_q_start)}" + (f"-qs{self.q_start_tag}" if self.q_start else ""))
+
+    @property
+    def q_start_tag(self) -> str:
+        names = {INT32_MIN: "MIN", INT32_MIN + 3: "MIN+3", INT32_MAX - 5: "MAX-5", INT32_MAX: "MAX"}
+        return ",".join(names.get(q, str(q)) for q in self.q_start)
+
+    @property
+    def kinds(self) -> tuple:
+        """The row kinds (topk_inputs.assert_row_kinds) a case with given
+        q_start is built to have."""
+        return ("empty", "short", "select") if self.q_start else ()
+
+
+# Per-batch q_start at the int32 limits (SPEC §9.2), with one ordinary start
+# whose first rows see no key, then fewer than topk. k_stride 2^28: the
+# limits' rows see 7 or 8 keys (INT32_MAX - 5: 7 for s < 5, so the pair
+# (4, 5) has a row written directly and one selecting), 3 * 2^28 - 2 gives 2
+# or 3. N = 20000: INT32_MAX's rows select in several chunks.
+LIMIT_CASES = [
+    Case(S=64, N=3000, topk=64, B=5, q_start=LIMIT_Q_STARTS + (-21,)),
+    Case(S=64, N=3000, topk=64, B=5, k_stride=3, q_start=LIMIT_Q_STARTS + (-21,)),
+    Case(S=16, N=3000, topk=7, B=5, k_stride=1 << 28, q_start=LIMIT_Q_STARTS + (3 * (1 << 28) - 2,)),
+    Case(S=24, N=20000, topk=512, B=5, q_start=LIMIT_Q_STARTS + (-10,)),
+]
+
+# One batch element starting before its keys: its first rows see no key,
+# then fewer than topk (-1 padding), then more (the pair (276, 277), (52,
+# 53): one row of exactly topk keys, written directly, and one selecting);
+# the other selects, with N <= 8192 in one chunk, with N > 8192 (q_start
+# 15000) in several.
+SHORT_ROW_CASES = [
+    Case(S=300, N=5000, topk=256, B=2, q_start=(-21, 3000)),
+    Case(S=64, N=20000, topk=32, B=2, q_start=(-21, 15000)),
+    Case(S=200, N=4096, topk=64, B=2, k_stride=4, q_start=(-9, 2000)),
+]
 
 
 CASES = [
@@ -55,7 +95,7 @@ CASES = [
     Case(S=100, N=5000, topk=64, B=3, k_stride=2),
     Case(S=24, N=20000, topk=2048, causal=False),             # more than one chunk: a GEMM pass per radix round
     Case(S=40, N=20000, topk=512, B=2, per_batch_q_start=True),
-]
+] + LIMIT_CASES + SHORT_ROW_CASES
 
 # float8 inputs (with index_k_scale): one chunk, batch, and several chunks.
 FP8_CASES = [
@@ -64,6 +104,7 @@ FP8_CASES = [
     Case(S=33, N=2047, topk=2048, causal=False),
     Case(S=24, N=20000, topk=2048, causal=False),
     Case(S=40, N=20000, topk=512, B=2, per_batch_q_start=True),
+    LIMIT_CASES[0], LIMIT_CASES[2], LIMIT_CASES[3], SHORT_ROW_CASES[0], SHORT_ROW_CASES[1],
 ]
 
 
@@ -78,17 +119,33 @@ def _kernel(iq, ik, w, kw, topk, **packing):
 
 def _inputs(case: Case, **extra):
     qs = "batch" if case.per_batch_q_start else None
-    if qs is None and case.causal:
+    if case.q_start:
+        qs = 0
+    elif qs is None and case.causal:
         qs = int(np.random.default_rng(seed_of("topk-gpu-qs", case.name)).integers(-3, case.N * case.k_stride))
-    return make_topk_inputs(seed_of("topk-gpu", case.name), B=case.B, S=case.S, HI=HI, DI=DI, N=case.N,
-                            causal=case.causal, k_stride=case.k_stride, q_start_index=qs if case.causal else 0,
-                            **extra)
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu", case.name), B=case.B, S=case.S, HI=HI, DI=DI, N=case.N,
+                                     causal=case.causal, k_stride=case.k_stride,
+                                     q_start_index=qs if case.causal else 0, **extra)
+    if case.q_start:
+        assert case.B == len(case.q_start)
+        kw["q_start_index"] = np.asarray(case.q_start, np.int32)
+    return iq, ik, w, kw
+
+
+def _kernel_on_ranges(iq, ik, w, ks, q_start, ranges, *, topk, scale):
+    """The primitive (the lowest entry that takes raw row ranges, SPEC §6's
+    operand) on the kernel, causal=True with a q_start the ranges replace."""
+    f = jax.jit(lambda *a: indexer_topk_canonical(*a, topk=topk, scale=scale, causal=True, k_stride=1,
+                                                  implementation="cuda"))
+    assert topk_contract.FFI_TARGET in f.lower(iq, ik, w, ks, q_start, ranges).as_text()
+    return f(iq, ik, w, ks, q_start, ranges)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_kernel_matches_float64(case):
     iq, ik, w, kw = _inputs(case)
-    check_selection(_kernel(iq, ik, w, kw, case.topk), iq, ik, w, kw, case.topk)
+    logits = check_selection(_kernel(iq, ik, w, kw, case.topk), iq, ik, w, kw, case.topk)
+    assert_row_kinds(logits, case.topk, case.kinds)
 
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=[c.name for c in FP8_CASES])
@@ -98,6 +155,7 @@ def test_fp8_kernel_matches_float64(case):
     iq, ik, w, kw = _inputs(case, dtype=FP8)
     got = _kernel(iq, ik, w, kw, case.topk)
     logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    assert_row_kinds(logits, case.topk, case.kinds)
     print(f"{case.name}: widest band {widest_band(got, logits, case.topk):.3g}")
 
 
@@ -110,6 +168,19 @@ def test_fp8_kernel_with_negative_key_scales():
     got = _kernel(iq, ik, w, kw, case.topk)
     logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
     print(f"negative scales: widest band {widest_band(got, logits, case.topk):.3g}")
+
+
+@pytest.mark.parametrize("heads", [1, 32, 63])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_fewer_heads_than_the_variant(heads, dtype):
+    """HI below the variant's 64 heads: the heads past HI weigh 0 (one chunk
+    and several)."""
+    for case in (Case(S=96, N=3000, topk=256), Case(S=24, N=20000, topk=512, causal=False)):
+        iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-heads", heads, case.name), S=case.S, HI=heads, DI=DI,
+                                         N=case.N, causal=case.causal, q_start_index=case.N - case.S if case.causal
+                                         else 0, dtype=dtype)
+        rtol = {} if dtype == jnp.bfloat16 else dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+        check_selection(_kernel(iq, ik, w, kw, case.topk), iq, ik, w, kw, case.topk, **rtol)
 
 
 def test_kernel_with_key_scales_and_bf16_weights():
@@ -131,6 +202,67 @@ def test_packed_rows(causal):
     assert np.all(np.asarray(got)[250:] == -1)
     xla = jax.jit(lambda a, b, c: indexer_topk(a, b, c, topk=topk, implementation="xla", **kw, **packing))(iq, ik, w)
     check_selection(xla, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+# SPEC §6.3 through the public API: (name, cu_seqlens_q, cu_seqlens_k, the
+# rows of no sequence); S = 256, N = 3000, three sequences (well-formed:
+# rows 0-39 on keys 0-999, rows 40-179 on 1000-2899, rows 180-255 on
+# 2900-2999). Causal with q_start [-10, 400, 480]: every case has rows of no
+# key, of fewer than topk and of more.
+MALFORMED = [
+    ("q-negative", [-5, 40, 180, 256], [0, 1000, 2900, 3000], range(0, 40)),
+    ("k-negative", [0, 40, 180, 256], [-1, 1000, 2900, 3000], range(0, 40)),
+    ("q-past-S", [0, 40, 180, 300], [0, 1000, 2900, 3000], range(180, 256)),
+    ("k-past-N", [0, 40, 180, 256], [0, 1000, 2900, 3001], range(180, 256)),
+    ("extremes", [INT32_MIN, 40, 180, INT32_MAX], [0, 1000, 2900, INT32_MAX],
+     list(range(0, 40)) + list(range(180, 256))),
+    ("k-extremes", [0, 40, 180, 256], [INT32_MIN, INT32_MAX, 2000, 3000], range(0, 180)),
+    ("decreasing-q", [0, 40, 30, 256], [0, 1000, 1000, 3000], range(30, 40)),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name,cu_q,cu_k,dead", MALFORMED, ids=[c[0] for c in MALFORMED])
+def test_malformed_boundaries(name, cu_q, cu_k, dead, causal):
+    """Negative boundaries, boundaries past S or N (up to INT32_MAX) and
+    decreasing ones, traced: the rows they touch all -1, the others as the
+    float64 rule says."""
+    S, N, topk = 256, 3000, 512
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-malformed", name, causal), S=S, HI=HI, DI=DI, N=N,
+                                     causal=causal)
+    cu_q, cu_k = np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32)
+    kw = dict(kw, q_start_index=np.asarray([-10, 400, 480], np.int32))
+    packing = dict(cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
+    got = _kernel(iq, ik, w, kw, topk, **packing)
+    logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    dead = list(dead)
+    assert np.all(np.asarray(got)[dead] == -1)
+    assert np.all(valid_counts(logits)[dead] == 0)
+    assert_row_kinds(logits, topk, ("empty", "short", "select") if causal else ("empty",))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("N,topk", [(3000, 64), (20000, 512)])
+def test_kernel_on_raw_row_ranges(N, topk, dtype):
+    """The kernel through the primitive on raw row ranges: negative values,
+    values past N, INT32_MIN/MAX, ends before beginnings, rows of 3 keys,
+    fewer than topk, none, all, topk and topk + 1; against the clamp rule
+    (keys into [0, N]) and the float64 logits. q_start and causal=True are
+    replaced by the ranges; field 2 is not read. N = 20000: pairs of rows
+    whose ranges' union takes several chunks."""
+    B, S = 2, 48
+    tag = ("topk-gpu-raw-ranges", N, jnp.dtype(dtype).name)
+    iq, ik, w, kw = make_topk_inputs(seed_of(*tag), B=B, S=S, HI=HI, DI=DI, N=N, dtype=dtype, key_scale=True)
+    ranges = adversarial_topk_ranges(np.random.default_rng(seed_of(*tag)), B, S, N, topk)
+    q_start = jnp.asarray([INT32_MIN, 7], jnp.int32)
+    got = _kernel_on_ranges(iq, ik, w, kw["index_k_scale"], q_start, jnp.asarray(ranges), topk=topk,
+                            scale=kw["scale"])
+    logits = raw_range_logits(iq, ik, w, kw, ranges)
+    rtol = topk_oracle.TOPK_TOLERANCE_FP8_KERNEL if dtype == FP8 else topk_oracle.TOPK_TOLERANCE
+    assert np.asarray(got).shape == (B, S, 1, topk)
+    topk_oracle.assert_topk_acceptable(got, logits, topk, rtol)
+    assert_row_kinds(logits, topk)
+    np.testing.assert_array_equal(valid_counts(logits)[0, :6], [3, topk - 1, 0, N, topk, topk + 1])
 
 
 @pytest.mark.parametrize("topk", [1, 64, 2048])

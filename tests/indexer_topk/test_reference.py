@@ -18,7 +18,9 @@ from jax_attn_dist import indexer_topk
 from jax_attn_dist.oracle import indexer_topk as topk_oracle
 from jax_attn_dist.ops.indexer_topk.reference import indexer_topk_reference_canonical, select_topk
 from jax_attn_dist._core import checks
-from topk_inputs import FP8, check_selection, make_topk_inputs, oracle_logits
+from jax_attn_dist.ops.indexer_topk.autodiff import indexer_topk_canonical
+from topk_inputs import (FP8, INT32_MAX, INT32_MIN, LIMIT_Q_STARTS, adversarial_topk_ranges, assert_row_kinds,
+                         check_selection, make_topk_inputs, oracle_logits, raw_range_logits, valid_counts)
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -194,3 +196,114 @@ def test_selection_on_heavy_ties_signed_zeros_and_nan():
         for r in range(C):
             row = np.where(valid[r], np.nan_to_num(logits[r].astype(np.float64), nan=-1e300), -np.inf)
             np.testing.assert_array_equal(got[r], topk_oracle.exact_topk(row, topk), err_msg=f"row {r} topk {topk}")
+
+
+# ----------------------------------------------------------------------------
+# SPEC §9.2: q_start at the int32 limits (q_start + s + 1 - k_stride leaves
+# int32); SPEC §6.3: malformed boundaries; raw row ranges
+# ----------------------------------------------------------------------------
+
+# (k_stride, topk, a fifth start): with it, rows of no key, fewer keys than
+# topk and more than topk. With k_stride 2^28 the limits' rows see 7 or 8 keys
+# (INT32_MAX - 5: 7 for s < 5, then 8), and 3 * 2^28 - 2 gives 2 or 3.
+_LIMIT_CASES = [(1, 7, -4), (3, 5, -4), (1 << 28, 7, 3 * (1 << 28) - 2)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+@pytest.mark.parametrize("k_stride,topk,extra", _LIMIT_CASES, ids=[f"ks{c[0]}" for c in _LIMIT_CASES])
+def test_q_start_at_int32_limits(k_stride, topk, extra, dtype):
+    """Per-batch q_start INT32_MIN, INT32_MIN + 3, INT32_MAX - 5, INT32_MAX
+    (and one ordinary start), traced: every row against the float64 rule,
+    its number of valid keys against the rule in Python integers."""
+    B, S, N = 5, 12, 40
+    q_start = LIMIT_Q_STARTS + (extra,)
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-limits", k_stride, jnp.dtype(dtype).name), B=B, S=S, HI=4,
+                                     DI=16, N=N, dtype=dtype, k_stride=k_stride, q_start_index=0)
+    kw["q_start_index"] = np.asarray(q_start, np.int32)
+    got = run(iq, ik, w, kw, topk)
+    logits = check_selection(got, iq, ik, w, kw, topk)
+    assert_row_kinds(logits, topk)
+    want = [[min(N, max(0, (q0 + s + 1 - k_stride) // k_stride + 1)) for s in range(S)] for q0 in q_start]
+    np.testing.assert_array_equal(valid_counts(logits), want)
+    got = np.asarray(got)[:, :, 0]
+    for b in range(B):
+        for s in range(S):
+            if want[b][s] <= topk:  # every valid key, in order, then -1
+                np.testing.assert_array_equal(got[b, s], list(range(want[b][s])) + [-1] * (topk - want[b][s]))
+
+
+@pytest.mark.parametrize("k_stride", [1, 3])
+def test_packed_q_start_at_int32_limits(k_stride):
+    """SPEC §6.2 with per-sequence q_start at the int32 limits: a query's
+    position (q_start + its offset in the sequence) passes INT32_MAX."""
+    S, N, topk = 16, 40, 5
+    cu_q = np.asarray([0, 3, 6, 10, 13, 16], np.int32)
+    cu_k = np.asarray([0, 8, 16, 24, 32, 40], np.int32)
+    qs = np.asarray(LIMIT_Q_STARTS + (3,), np.int32)
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-packed-limits", k_stride), S=S, HI=4, DI=16, N=N,
+                                     k_stride=k_stride, q_start_index=0)
+    kw = dict(kw, q_start_index=qs)
+    got = jax.jit(lambda a, b, c, s, cq, ck: indexer_topk(a, b, c, topk=topk, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                                           **dict(kw, q_start_index=s)))(
+        iq, ik, w, jnp.asarray(qs), jnp.asarray(cu_q), jnp.asarray(cu_k))
+    logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert_row_kinds(logits, topk)
+    m = valid_counts(logits)
+    assert np.all(m[:6] == 0) and np.all(m[6:13] == 8)   # INT32_MIN(+3): none; INT32_MAX(-5): the whole sequence
+
+
+# SPEC §6.3 on the public API: (name, cu_seqlens_q, cu_seqlens_k, the rows of
+# no sequence); S = 14, N = 20, three sequences.
+_MALFORMED = [
+    ("q-negative", [-2, 3, 8, 14], [0, 5, 12, 20], range(0, 3)),
+    ("k-negative", [0, 3, 8, 14], [-4, 5, 12, 20], range(0, 3)),
+    ("q-past-S", [0, 3, 8, 16], [0, 5, 12, 20], range(8, 14)),
+    ("k-past-N", [0, 3, 8, 14], [0, 5, 12, 27], range(8, 14)),
+    ("extremes", [INT32_MIN, 3, 8, INT32_MAX], [0, 5, 12, INT32_MAX], list(range(0, 3)) + list(range(8, 14))),
+    ("k-extremes", [0, 3, 8, 14], [INT32_MIN, INT32_MAX, 12, 20], range(0, 8)),
+    ("decreasing-k", [0, 3, 8, 14], [0, 9, 5, 20], range(3, 8)),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name,cu_q,cu_k,dead", _MALFORMED, ids=[c[0] for c in _MALFORMED])
+def test_malformed_boundaries(name, cu_q, cu_k, dead, causal):
+    """Negative boundaries, boundaries past S or N (up to INT32_MAX) and
+    decreasing ones, traced: the rows they touch get all -1, the others
+    their own sequence's keys."""
+    S, N, topk = 14, 20, 4
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-malformed", name, causal), S=S, HI=4, DI=16, N=N, causal=causal)
+    cu_q, cu_k = np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32)
+    qs = np.asarray([-1, 0, 2], np.int32)
+    kw = dict(kw, q_start_index=qs)
+    got = jax.jit(lambda a, b, c, s, cq, ck: indexer_topk(a, b, c, topk=topk, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                                           **dict(kw, q_start_index=s)))(
+        iq, ik, w, jnp.asarray(qs), jnp.asarray(cu_q), jnp.asarray(cu_k))
+    logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    dead = list(dead)
+    live = [s for s in range(S) if s not in dead]
+    assert np.all(np.asarray(got)[dead] == -1)
+    assert np.all(valid_counts(logits)[dead] == 0)
+    if not causal:  # every live row sees its whole (non-empty) sequence
+        assert np.all(valid_counts(logits)[live] > 0)
+    assert_row_kinds(logits, topk, ("empty", "select") + (("short",) if causal else ()))
+
+
+def test_raw_row_ranges():
+    """The primitive on raw row ranges (SPEC §6's operand, as the packing
+    pass gives it; the kernel's clamp into [0, N]): negative values, values
+    past N, INT32_MIN/MAX, ends before beginnings; causal and q_start are
+    replaced by the ranges, field 2 is ignored."""
+    B, S, N, topk = 2, 24, 40, 6
+    rng = np.random.default_rng(seed_of("topk-raw-ranges"))
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-raw-ranges"), B=B, S=S, HI=4, DI=16, N=N, key_scale=True)
+    ranges = adversarial_topk_ranges(rng, B, S, N, topk)
+    q_start = jnp.asarray([5, -3], jnp.int32)
+    call = jax.jit(lambda *a: indexer_topk_canonical(*a, topk=topk, scale=kw["scale"], causal=True, k_stride=1,
+                                                     implementation="xla"))
+    got = call(iq, ik, w, kw["index_k_scale"], q_start, jnp.asarray(ranges))
+    logits = raw_range_logits(iq, ik, w, kw, ranges)
+    assert np.asarray(got).shape == (B, S, 1, topk)
+    topk_oracle.assert_topk_acceptable(got, logits, topk)
+    assert_row_kinds(logits, topk)
+    np.testing.assert_array_equal(valid_counts(logits)[0, :6], [3, topk - 1, 0, N, topk, topk + 1])

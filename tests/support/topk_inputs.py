@@ -71,3 +71,69 @@ def widest_band(indices, logits, topk):
     for reports; the check is check_selection)."""
     sel = np.asarray(indices).reshape(np.shape(logits)[:-1] + (topk,))
     return max(topk_oracle.selection_band(logits[pos], sel[pos], topk) for pos in np.ndindex(*np.shape(logits)[:-1]))
+
+
+# ----------------------------------------------------------------------------
+# q_start at the int32 limits, malformed boundaries and raw row ranges
+# ----------------------------------------------------------------------------
+
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+#: q_start values at the int32 limits (SPEC §9.2: the causal rule is exact for
+#: every int32 q_start): INT32_MIN, INT32_MIN + 3 (no key), INT32_MAX - 5 and
+#: INT32_MAX (every key for k_stride up to ~2^27; a few keys for larger).
+LIMIT_Q_STARTS = (INT32_MIN, INT32_MIN + 3, INT32_MAX - 5, INT32_MAX)
+
+
+def valid_counts(logits):
+    """int [B?, S]: each row's number of valid keys (finite float64 logits)."""
+    return np.isfinite(np.asarray(logits)).sum(-1)
+
+
+def assert_row_kinds(logits, topk, kinds=("empty", "short", "select")):
+    """The rows of ``logits`` include each of ``kinds``: "empty" (no valid
+    key), "short" (0 < valid < topk: -1 padding after all of them) and
+    "select" (more than topk valid keys). A test's own coverage check."""
+    m = valid_counts(logits)
+    have = dict(empty=(m == 0).any(), short=((m > 0) & (m < topk)).any(), select=(m > topk).any())
+    missing = [k for k in kinds if not have[k]]
+    assert not missing, f"the case has no {missing} rows (valid key counts {np.unique(m).tolist()}, topk {topk})"
+
+
+def adversarial_topk_ranges(rng, B, S, N, topk):
+    """int32 [B, S, 3] raw row ranges for indexer_topk's primitive (fields 0
+    and 1: key begin and end; field 2, unused by indexer_topk, random):
+    ordinary ranges mixed with negative values, values past N,
+    INT32_MIN/MAX and ends before beginnings. The first rows of batch
+    element 0 are fixed: 3 keys (from N - 3 to INT32_MAX), fewer than topk
+    (from INT32_MIN), none (from past N to 2), every key (from -3 to
+    INT32_MAX), exactly topk and topk + 1 keys. Needs B >= 1, S >= 6."""
+    keys = np.array([INT32_MIN, INT32_MIN + 1, -N, -7, -1, 0, 1, N // 2, N - 1, N, N + 1, 2 * N, INT32_MAX - 1,
+                     INT32_MAX], np.int64)
+    begin = rng.integers(0, N, (B, S))
+    end = begin + rng.integers(-3, N, (B, S))
+    begin = np.where(rng.random((B, S)) < 0.35, keys[rng.integers(0, len(keys), (B, S))], begin)
+    end = np.where(rng.random((B, S)) < 0.35, keys[rng.integers(0, len(keys), (B, S))], end)
+    other = rng.integers(INT32_MIN, INT32_MAX, (B, S), endpoint=True)
+    fixed = [(N - 3, INT32_MAX), (INT32_MIN, min(topk - 1, N)), (N + 5, 2), (-3, INT32_MAX),
+             (N - min(topk, N), N), (N - min(topk + 1, N), 2 * N)]
+    for s, (b0, e0) in enumerate(fixed):
+        begin[0, s], end[0, s] = b0, e0
+    out = np.stack([begin, end, other], axis=-1)
+    return np.clip(out, INT32_MIN, INT32_MAX).astype(np.int32)
+
+
+def raw_range_logits(index_q, index_k, weights, kwargs, row_ranges):
+    """The float64 logits [B, S, N] (canonical, batched inputs) of a call on
+    raw ``row_ranges`` [B, S, 3]: key n is valid for row s when
+    ``clip(r0, 0, N) <= n < clip(r1, clip(r0, 0, N), N)`` (the clamp of SPEC
+    §6, in int64), whatever ``causal``/``q_start_index`` say."""
+    kw = dict(kwargs, causal=False, q_start_index=0)
+    logits = oracle_logits(index_q, index_k, weights, kw)
+    N = logits.shape[-1]
+    r = np.asarray(row_ranges).astype(np.int64)
+    begin = np.clip(r[..., 0], 0, N)
+    end = np.clip(r[..., 1], begin, N)
+    n = np.arange(N)
+    valid = (n >= begin[..., None]) & (n < end[..., None])
+    return np.where(valid, logits, -np.inf)
