@@ -9,7 +9,12 @@ be reused), and each result must match its own inputs' oracle. Covered: head
 counts 1, 64, 65, 128, 200; T 1, 63, 65, 2048; D 512 and 576; both lse
 bases; adversarial indices and rows with no valid slot (out exactly 0, lse
 -inf); packed rows with topk_length; batches with per-batch q_start;
-bitwise determinism; gradients through the forward and backward kernels.
+bitwise determinism; gradients through the forward and backward kernels
+(within SPEC §8.3's limits; huge and non-finite dlse on rows with no valid
+slot); per-batch q_start at the int32 limits; the packed cases of
+packed_cases.py, malformed boundaries (SPEC §6.3) included; raw adversarial
+row ranges through the primitive (as packing/test_gpu.py does for the other
+ops).
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ import pytest
 from inputs import require_ffi_targets, seed_of
 from jax_attn_dist import oracle, sparse_mla
 from jax_attn_dist.ops.sparse_mla.contract import FFI_TARGET
-from sparse_mla_cases import check_against_oracle, make_sparse_mla_inputs, run
+from packed_cases import CASES as PACKED_CASES
+from sparse_mla_cases import (check_against_oracle, check_grads, cotangents, grads, make_int32_limit_inputs,
+                              make_sparse_mla_inputs, oracle_kwargs, packed_case_has_rows, packed_case_inputs,
+                              raw_row_ranges_forward, raw_row_ranges_inputs, run)
 
 pytestmark = pytest.mark.gpu
 
@@ -128,23 +136,93 @@ def test_kernel_is_default_on_gpu_and_agrees_with_xla_path():
     assert np.abs(np.asarray(lse)[finite] - np.asarray(xl)[finite]).max() <= LSE_TOL
 
 
-def test_gradients_through_the_kernels():
+#: dlse values put on head rows with no valid slot: SPEC §8.3 promises zero
+#: gradients there, never NaN, "whatever dlse holds there".
+WILD_DLSE = np.array([1e4, -1e4, 1e30, -1e30, np.inf, -np.inf, np.nan], np.float32)
+
+
+def wild_dlse_on_empty_rows(dlse, ref_lse):
+    """(dlse with WILD_DLSE on the heads whose oracle lse is -inf, the same
+    with 0 there: the cotangent the float64 gradients are formed from)."""
+    empty = np.isneginf(ref_lse)
+    wild = WILD_DLSE[np.arange(empty.size).reshape(empty.shape) % len(WILD_DLSE)]
+    dlse = np.asarray(dlse, np.float32)
+    return jnp.asarray(np.where(empty, wild, dlse)), jnp.asarray(np.where(empty, 0.0, dlse).astype(np.float32))
+
+
+@pytest.mark.parametrize("deterministic,lse_base", [(False, "2"), (True, "e"), (True, "2")])
+def test_gradients_through_the_kernels(deterministic, lse_base):
     """The forward kernel and the backward kernel (which implementation="cuda"
-    leaves to None, so it runs where it applies): gradients within bf16
-    accuracy of the float64 ones."""
-    q, kv, idx, kw = make_sparse_mla_inputs(seed_of("gpu-grad"), S=16, H=64, D=576, N=200, T=64)
-    rng = np.random.default_rng(1)
-    dout = jnp.asarray(rng.standard_normal((16, 64, 512)), BF16)
-    dlse = rng.standard_normal((16, 64)).astype(np.float32)
-    _, ref_lse = oracle.sparse_mla_oracle(q, kv, idx, **{k: v for k, v in kw.items()})
-    dlse = np.where(np.isneginf(ref_lse), 0.0, dlse).astype(np.float32)
+    leaves to None, so it runs where it applies): gradients within SPEC
+    §8.3's limits of the float64 ones (check_grads), with dlse of 1e4, 1e30,
+    +-inf and NaN on the rows with no valid slot, which must get exactly
+    zero gradients (the float64 ones are formed with dlse 0 there)."""
+    q, kv, idx, kw = make_sparse_mla_inputs(seed_of("gpu-grad", deterministic, lse_base), B=2, S=16, H=64, D=576,
+                                            N=200, T=64, lse_base=lse_base, q_start_index="batch", empty_rows=0.2)
+    _, ref_lse = oracle.sparse_mla_oracle(q, kv, idx, **oracle_kwargs(kw))
+    assert np.isneginf(ref_lse).any() and np.isfinite(ref_lse).any()
+    dout, dlse = cotangents(seed_of("gpu-grad-cot", deterministic, lse_base), q)
+    wild, zeroed = wild_dlse_on_empty_rows(dlse, ref_lse)
+    dq, dkv = grads(q, kv, idx, kw, dout, wild, deterministic=deterministic)
+    check_grads(q, kv, idx, kw, dout, zeroed, dq, dkv)
+    assert np.all(np.asarray(dq, np.float32)[np.isneginf(ref_lse)] == 0)
 
-    def f(q, kv):
-        (out, lse), vjp = jax.vjp(lambda q, kv: sparse_mla(q, kv, idx, implementation="cuda", **kw), q, kv)
-        return vjp((dout, jnp.asarray(dlse)))
 
-    dq, dkv = jax.jit(f)(q, kv)
-    want = oracle.sparse_mla_grads_oracle(q, kv, idx, np.asarray(dout, np.float32), dlse, **kw)
-    for name, got, ref in (("dq", dq, want[0]), ("dkv", dkv, want[1])):
-        rel, mx = oracle.spec_errors(np.asarray(got, np.float32), ref)
-        assert rel <= 2e-2 and mx <= 2e-2, f"{name}: rel {rel:.2e}, max {mx:.2e}"
+@pytest.mark.parametrize("k_stride", [1, 4])
+def test_q_start_at_int32_limits(k_stride):
+    """Per-batch q_start INT32_MIN, INT32_MIN + 3, INT32_MAX - 5, INT32_MAX
+    (SPEC §6.2: exact for every int32 value): the first two elements see no
+    key (out 0, lse -inf), the last two every key in range."""
+    def make(draw):
+        return make_int32_limit_inputs(seed_of("gpu-int32-limits", k_stride, draw), S=24, H=64, D=576, N=200, T=96,
+                                       k_stride=k_stride, invalid_fraction=0.2)
+
+    q, kv, idx, kw = make(0)
+    _, ref_lse = oracle.sparse_mla_oracle(q, kv, idx, **oracle_kwargs(kw))
+    assert np.isneginf(ref_lse[:2]).all() and np.isfinite(ref_lse[2:]).mean() > 0.5
+    check_twice(make)
+
+
+PACKED_ROWS = [c for c in PACKED_CASES if c.get("HK", 1) == 1 and packed_case_has_rows(c)]
+PACKED_NO_ROWS = [c for c in PACKED_CASES if c.get("HK", 1) == 1 and not packed_case_has_rows(c)]
+
+
+@pytest.mark.parametrize("case", PACKED_ROWS, ids=[c["name"] for c in PACKED_ROWS])
+def test_packed_cases_and_malformed_boundaries(case):
+    """The packed cases of packed_cases.py through the kernel: several
+    sequences, k_stride, q_start at the int32 extremes, topk_length, and
+    SPEC §6.3's malformed boundaries (decreasing, negative, past S or N):
+    no error, the rows they touch give 0 and -inf (the oracle's -inf rows,
+    which check_against_oracle requires exactly), the rest the oracle."""
+    from packed_cases import packing_kwargs
+
+    check_twice(lambda draw: packed_case_inputs(case, seed_of("gpu-packed-case", case["name"], draw), H=64, D=576,
+                                                lse_base="e" if draw else "2")[:4], **packing_kwargs(case))
+
+
+@pytest.mark.parametrize("case", PACKED_NO_ROWS, ids=[c["name"] for c in PACKED_NO_ROWS])
+def test_packed_cases_where_no_row_has_a_sequence(case):
+    q, kv, idx, kw, packing = packed_case_inputs(case, seed_of("gpu-packed-none", case["name"]), H=64, D=576)
+    out, lse = kernel(q, kv, idx, kw, **packing)
+    assert np.all(np.asarray(out, np.float32) == 0) and np.isneginf(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("H,D,S,B,N,T,far", [
+    (64, 576, 48, 2, 300, 200, False), (128, 512, 48, 2, 300, 200, False), (65, 576, 130, 1, 300, 130, False),
+    (64, 576, 64, 1, 37, 96, True), (128, 576, 64, 2, 100, 96, True),
+])
+def test_raw_row_ranges(H, D, S, B, N, T, far):
+    """The forward kernel on raw row ranges (the primitive's operand, SPEC
+    §6: key_begin, key_end, topk_length), adversarial as in
+    packed_kernel_cases (negative, past N or T, end < begin, int32 extremes;
+    far: far past N and below 0): out and lse are the float64 oracle's on
+    the indices the clamp rule leaves valid; the same bits twice."""
+    operands, params, masked, okw = raw_row_ranges_inputs(seed_of("gpu-raw-ranges", H, D, S, B, N, T, far), B=B,
+                                                          S=S, H=H, D=D, N=N, T=T, far=far)
+    out, lse, text = raw_row_ranges_forward(operands, params, implementation="cuda")
+    assert FFI_TARGET in text
+    assert out.dtype == BF16 and lse.dtype == jnp.float32
+    check_against_oracle(operands[0], operands[1], masked, okw, out, lse, out_tol=OUT_TOL, lse_tol=LSE_TOL)
+    again = raw_row_ranges_forward(operands, params, implementation="cuda")[:2]
+    for x, y in zip((out, lse), again):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()

@@ -1,7 +1,11 @@
 """sparse_mla's jnp path (the CPU's path) against the float64 oracle (SPEC §8):
 head and slot counts, adversarial indices, rows with no valid slot, both lse
-bases, batches with per-batch q_start, packed rows and topk_length, GQA; the
-chunk loop; attn_dist on sparse_mla's lse sums to 1 per head."""
+bases, batches with per-batch q_start (at the int32 limits too), packed rows
+and topk_length, malformed boundaries (SPEC §6.3) and raw row ranges, GQA,
+empty problems (B = 0 included); the chunk loop; attn_dist on sparse_mla's
+lse sums to 1 per head. The cases for q_start at the int32 limits, malformed
+boundaries and raw row ranges check the gradients against the float64 ones
+too."""
 
 from __future__ import annotations
 
@@ -14,7 +18,10 @@ from inputs import seed_of
 from jax_attn_dist import attn_dist, oracle, sparse_mla, sparse_mla_reference
 from jax_attn_dist._core import checks
 from jax_attn_dist.ops.sparse_mla.reference import reference_canonical
-from sparse_mla_cases import check_against_oracle, make_sparse_mla_inputs, oracle_kwargs, run
+from packed_cases import CASES as PACKED_CASES
+from sparse_mla_cases import (check_against_oracle, make_int32_limit_inputs, make_sparse_mla_inputs, oracle_kwargs,
+                              packed_case_has_rows, packed_case_inputs, raw_row_ranges_forward, raw_row_ranges_grads,
+                              raw_row_ranges_inputs, run)
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -28,6 +35,44 @@ def check(q, kv, idx, kw, out, lse, dtype, **packing):
     out_tol, lse_tol = TOL[dtype]
     assert out.dtype == dtype and lse.dtype == F32
     return check_against_oracle(q, kv, idx, kw, out, lse, out_tol=out_tol, lse_tol=lse_tol, **packing)
+
+
+#: float32 gradients against the float64 ones (as test_grad.py)
+GRAD_TOL_F32 = 2e-5
+
+
+def check_grads_f32(dq, dkv, q, kv, idx, kw, dout, dlse, **packing):
+    """float32 dq and dkv within GRAD_TOL_F32 of the float64 gradients (both
+    measures of spec_errors), finite, exactly 0 where no gradient reaches."""
+    want = oracle.sparse_mla_grads_oracle(q, kv, idx, np.asarray(dout, np.float64), np.asarray(dlse, np.float64),
+                                          **oracle_kwargs(kw), **oracle_kwargs(packing))
+    for name, got, ref in (("dq", dq, want[0]), ("dkv", dkv, want[1])):
+        got = np.asarray(got, np.float64)
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        assert np.isfinite(got).all(), f"{name}: non-finite gradient"
+        assert np.abs(ref).max() > 0, f"{name}: the reference is all 0 (degenerate test)"
+        rel, mx = oracle.spec_errors(got, ref)
+        assert rel <= GRAD_TOL_F32 and mx <= GRAD_TOL_F32, f"{name}: rel {rel:.2e}, max {mx:.2e}"
+        assert np.all(got[ref == 0] == 0), f"{name}: entries with no gradient must be exactly 0"
+
+
+def vjp_grads(q, kv, idx, kw, dout, dlse, **packing):
+    """(out, lse, dq, dkv) of sparse_mla under jit, array keywords traced."""
+    kw = dict(kw, **packing)
+    arrays = {n: kw.pop(n) for n in ("q_start_index", "topk_length", "cu_seqlens_q", "cu_seqlens_k")
+              if n in kw and not isinstance(kw[n], (int, type(None)))}
+
+    def f(q, kv, i, a, dout, dlse):
+        (out, lse), vjp = jax.vjp(lambda q, kv: sparse_mla(q, kv, i, **kw, **a), q, kv)
+        return (out, lse) + vjp((dout, dlse))
+
+    return jax.jit(f)(q, kv, idx, arrays, dout, dlse)
+
+
+def random_cotangents(seed, out_shape, lse_shape):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(out_shape).astype(np.float32)),
+            jnp.asarray(rng.standard_normal(lse_shape).astype(np.float32)))
 
 
 @pytest.mark.parametrize("H,T,dtype", [(1, 1, F32), (3, 7, BF16), (65, 5, F32), (200, 3, BF16), (2, 65, F32),
@@ -96,6 +141,110 @@ def test_all_invalid_and_empty_problems():
                               **kw)
         assert out.shape == shape_q[:2] + (8,) and lse.shape == shape_q[:2]
         assert (np.asarray(out, np.float32) == 0).all() and np.isneginf(lse).all()
+
+
+def test_empty_batch():
+    """B = 0 (SPEC §8.1's empty problems): out and lse of the batched shapes
+    and dtypes (no element, so 0 and -inf trivially), with the int q_start
+    and a per-batch q_start of shape [0], eagerly and under jit, with
+    another extent 0 besides; gradients of the inputs' shapes and dtypes."""
+    q, kv, idx, kw = make_sparse_mla_inputs(seed_of("empty-batch"), B=0, S=3, H=2, D=8, N=5, T=4, d_v=6, dtype=BF16)
+    assert q.shape == (0, 3, 2, 8) and kv.shape == (0, 5, 1, 8) and idx.shape == (0, 3, 1, 4)
+    for q_start in (kw["q_start_index"], jnp.zeros((0,), jnp.int32)):
+        for jit in (False, True):
+            out, lse = run(q, kv, idx, dict(kw, q_start_index=q_start), jit=jit)
+            assert out.shape == (0, 3, 2, 6) and out.dtype == BF16
+            assert lse.shape == (0, 3, 2) and lse.dtype == F32
+    dout, dlse = random_cotangents(0, (0, 3, 2, 6), (0, 3, 2))
+    out, lse, dq, dkv = vjp_grads(q, kv, idx, kw, dout.astype(BF16), dlse)
+    assert out.shape == (0, 3, 2, 6) and lse.shape == (0, 3, 2)
+    assert dq.shape == q.shape and dq.dtype == BF16 and dkv.shape == kv.shape and dkv.dtype == BF16
+    out, lse = sparse_mla(jnp.zeros((0, 0, 2, 8), BF16), kv, jnp.zeros((0, 0, 1, 4), jnp.int32), **kw)
+    assert out.shape == (0, 0, 2, 6) and lse.shape == (0, 0, 2)
+
+
+def test_batched_empty_extents():
+    """Batched S, N or T of 0 with B > 0: out exactly 0, lse -inf."""
+    kw = dict(sm_scale=0.3, d_v=8, q_start_index=jnp.asarray([1, 4], jnp.int32))
+    for S, N, T in ((0, 5, 4), (3, 0, 4), (3, 5, 0)):
+        out, lse = run(jnp.ones((2, S, 2, 8), BF16), jnp.ones((2, N, 1, 8), BF16), jnp.zeros((2, S, 1, T), jnp.int32),
+                       kw)
+        assert out.shape == (2, S, 2, 8) and lse.shape == (2, S, 2)
+        assert (np.asarray(out, np.float32) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("k_stride", [1, 4])
+def test_q_start_at_int32_limits(k_stride):
+    """Per-batch q_start INT32_MIN, INT32_MIN + 3, INT32_MAX - 5, INT32_MAX
+    (SPEC §6.2: the causal rule is exact for every int32 value): the first two
+    elements see no key, the last two every key in range; out, lse and the
+    gradients against the float64 oracle."""
+    q, kv, idx, kw = make_int32_limit_inputs(seed_of("int32-limits", k_stride), S=9, H=3, D=16, N=12, T=7,
+                                             k_stride=k_stride, d_v=16, dtype=F32, invalid_fraction=0.2)
+    out, lse = run(q, kv, idx, kw)
+    _, ref_lse = check(q, kv, idx, kw, out, lse, F32)
+    assert np.isneginf(ref_lse[:2]).all() and np.isfinite(ref_lse[2:]).mean() > 0.5
+    dout, dlse = random_cotangents(seed_of("int32-limits-cot", k_stride), out.shape, lse.shape)
+    _, _, dq, dkv = vjp_grads(q, kv, idx, kw, dout, dlse)
+    check_grads_f32(dq, dkv, q, kv, idx, kw, dout, dlse)
+    assert np.all(np.asarray(dq)[:2] == 0) and np.all(np.asarray(dkv)[:2] == 0)
+
+
+def test_q_start_at_int32_limits_packed():
+    """The same starts per packed sequence (cu_seqlens), k_stride 1 and 3."""
+    S, N, T = 16, 16, 6
+    packing = dict(cu_seqlens_q=jnp.asarray([0, 4, 8, 12, 16], jnp.int32),
+                   cu_seqlens_k=jnp.asarray([0, 4, 8, 12, 16], jnp.int32))
+    starts = jnp.asarray(np.array([checks.INT32_MIN, checks.INT32_MIN + 3, checks.INT32_MAX - 5,
+                                   checks.INT32_MAX], np.int64).astype(np.int32))
+    for k_stride in (1, 3):
+        q, kv, idx, kw = make_sparse_mla_inputs(seed_of("int32-limits-packed", k_stride), S=S, H=2, D=8, N=N, T=T,
+                                                d_v=8, dtype=F32, k_stride=k_stride, indices="uniform")
+        kw = dict(kw, q_start_index=starts)
+        out, lse = run(q, kv, idx, dict(kw, **packing))
+        _, ref_lse = check(q, kv, idx, kw, out, lse, F32, **packing)
+        assert np.isneginf(ref_lse[:8]).all() and np.isfinite(ref_lse[8:]).any()
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=[c["name"] for c in PACKED_CASES])
+def test_packed_cases_and_malformed_boundaries(case):
+    """SPEC §6 through sparse_mla on every packed case of packed_cases.py,
+    the malformed boundaries of §6.3 included (decreasing, negative, past S
+    or N, the int32 extremes): no error, the rows they touch give 0 and -inf
+    with zero gradients; the rest against the float64 oracle."""
+    from packed_cases import no_owner_rows
+
+    q, kv, idx, kw, packing = packed_case_inputs(case, seed_of("packed-case", case["name"]), H=4, D=16, dtype=F32)
+    out, lse = run(q, kv, idx, dict(kw, **packing))
+    dout, dlse = random_cotangents(seed_of("packed-case-cot", case["name"]), out.shape, lse.shape)
+    _, _, dq, dkv = vjp_grads(q, kv, idx, kw, dout, dlse, **packing)
+    dead = no_owner_rows(case)
+    if packed_case_has_rows(case):
+        check(q, kv, idx, kw, out, lse, F32, **packing)
+        check_grads_f32(dq, dkv, q, kv, idx, kw, dout, dlse, **packing)
+    else:
+        assert np.all(np.asarray(dkv) == 0)
+    assert np.all(np.asarray(out)[dead] == 0) and np.isneginf(np.asarray(lse)[dead]).all()
+    assert np.all(np.asarray(dq)[dead] == 0)
+
+
+@pytest.mark.parametrize("far", [False, True], ids=["near", "far"])
+def test_raw_row_ranges(far):
+    """The primitive's raw row ranges (the operand SPEC §6's keywords become;
+    sparse_mla_canonical is the lowest level taking them): adversarial
+    ranges (negative, past N or T, end < begin, int32 extremes) give the
+    oracle on the indices the clamp rule leaves valid, forward and backward,
+    in both modes."""
+    operands, params, masked, okw = raw_row_ranges_inputs(seed_of("raw-ranges", far), B=2, S=24, H=3, D=16,
+                                                          N=37 if far else 40, T=70, far=far, dtype=F32)
+    q, kv = operands[:2]
+    out, lse, _ = raw_row_ranges_forward(operands, params, implementation="xla")
+    _, ref_lse = check(q, kv, masked, okw, out, lse, F32)
+    assert np.isneginf(ref_lse).any() and np.isfinite(ref_lse).any()
+    dout, dlse = random_cotangents(seed_of("raw-ranges-cot", far), out.shape, lse.shape)
+    for det in (False, True):
+        dq, dkv, _ = raw_row_ranges_grads(operands, params, dout, dlse, implementation="xla", deterministic=det)
+        check_grads_f32(dq, dkv, q, kv, masked, okw, dout, dlse)
 
 
 def test_packed_rows_and_topk_length():

@@ -15,7 +15,7 @@ from inputs import seed_of
 from jax_attn_dist import sparse_mla, sparse_mla_p
 from jax_attn_dist.ops.sparse_mla.contract import BWD_FFI_TARGET, FFI_TARGET
 from jaxpr_util import iter_eqns
-from sparse_mla_cases import check_against_oracle, make_sparse_mla_inputs
+from sparse_mla_cases import check_against_oracle, check_grads, make_sparse_mla_inputs
 
 F32 = jnp.float32
 PLATFORMS = ["cuda", "cpu"]
@@ -106,6 +106,14 @@ def test_export_training_gradient(cross_lowering):
         assert a.dtype == b.dtype and a.shape == b.shape
         if jax.default_backend() == "cpu":
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # on every backend: the float64 gradients of the loss (SPEC §8.3's limits,
+    # check_grads) at the cotangents it gives, dout = 2 out (rounded to out's
+    # dtype, as the traced cotangent is) and dlse = 1 where lse is finite
+    out, lse = jax.jit(lambda q, kv, i, s: sparse_mla(q, kv, i, q_start_index=s, **kw))(q, kv, idx, qs)
+    dout = (2.0 * out.astype(F32)).astype(out.dtype)
+    dlse = jnp.where(jnp.isfinite(lse), 1.0, 0.0).astype(F32)
+    assert not np.asarray(jnp.isfinite(lse)).all() and np.asarray(jnp.isfinite(lse)).any()
+    check_grads(q, kv, idx, dict(kw, q_start_index=qs), dout, dlse, *got)
 
 
 def test_export_xla_path_needs_no_disabled_check():

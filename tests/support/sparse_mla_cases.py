@@ -207,3 +207,109 @@ def check_sharded_steps(seed, *, B=2, S=32, H=128, D=576, N=600, T=256):
             assert x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes(), case
         assert np.isfinite(np.asarray(steps[1][0])).all() and float(jnp.abs(steps[1][0]).max()) > 0, case
     assert np.isnan(np.asarray(steps[1][1])).all()
+
+
+# ----------------------------------------------------------------------------
+# q_start at the int32 limits, malformed packing, raw row ranges
+# ----------------------------------------------------------------------------
+
+#: SPEC §6.2: the causal rule is exact for every int32 q_start. One batch
+#: element per value: the two near INT32_MIN see no key (lse -inf, zero
+#: gradients), the two near INT32_MAX every key in range; a rule formed in
+#: int32 (q_start + s + 1 - k_stride) wraps around and flips them.
+INT32_LIMIT_STARTS = (INT32_MIN, INT32_MIN + 3, INT32_MAX - 5, INT32_MAX)
+
+
+def make_int32_limit_inputs(seed, *, S, H, D, N, T, k_stride, dtype=jnp.bfloat16, **extra):
+    """make_sparse_mla_inputs with B = 4 and the per-batch q_start
+    INT32_LIMIT_STARTS (explicit values pass through its ``q_start_index``);
+    causal, adversarial indices. S should exceed 6, so that INT32_MAX - 5 +
+    s + 1 - k_stride passes INT32_MAX for some rows."""
+    starts = jnp.asarray(np.array(INT32_LIMIT_STARTS, np.int64).astype(np.int32))
+    return make_sparse_mla_inputs(seed, B=len(INT32_LIMIT_STARTS), S=S, H=H, D=D, N=N, T=T, dtype=dtype,
+                                  causal=True, k_stride=k_stride, q_start_index=starts, **extra)
+
+
+def packed_case_inputs(case, seed, *, H, D, dtype=jnp.bfloat16, lse_base="2"):
+    """``(q, kv, indices, kwargs, packing)``: an unbatched sparse_mla problem
+    on one of packed_cases.CASES (SPEC §6, malformed boundaries of §6.3
+    included): its S, N, T, HK, rule and per-sequence q_start, indices
+    mostly inside each row's sequence, ``packing`` its §6 keywords."""
+    from packed_cases import case_indices, case_q_start, packing_kwargs
+
+    rng = np.random.default_rng(seed)
+    S, N, HK = case["S"], case["N"], case.get("HK", 1)
+    q = jnp.asarray(rng.standard_normal((S, H, D)).astype(np.float32), dtype)
+    kv = jnp.asarray(rng.standard_normal((N, HK, D)).astype(np.float32), dtype)
+    idx = case_indices(rng, case, HK)
+    kwargs = dict(sm_scale=float(D ** -0.5 * rng.uniform(0.8, 1.6)), d_v=min(D, 512),
+                  causal=case.get("causal", True), q_start_index=case_q_start(case),
+                  k_stride=case.get("k_stride", 1), lse_base=lse_base)
+    return q, kv, idx, kwargs, packing_kwargs(case)
+
+
+def packed_case_has_rows(case):
+    """Whether any query row of a packed case belongs to a sequence (else
+    SPEC §6.3 makes every output 0 and every lse -inf)."""
+    from packed_cases import no_owner_rows
+
+    return len(no_owner_rows(case)) < case["S"]
+
+
+def raw_row_ranges_inputs(seed, *, B, S, H, D, N, T, far=False, dtype=jnp.bfloat16, lse_base="2"):
+    """sparse_mla on raw row ranges (SPEC §6's ``row_ranges`` operand, int32
+    [B, S, 3] of the primitive: key_begin, key_end, topk_length), as
+    packed_kernel_cases feeds them to attn_dist's and the indexer's kernels:
+    adversarial ranges (negative, past N or T, end < begin, the int32
+    extremes; ``far``: far past N and below 0) and adversarial indices,
+    with causal=True and a random q_start, which the ranges replace.
+
+    Returns ``(operands, params, masked, oracle_kw)``: ``operands`` (q, kv,
+    indices, q_start, row_ranges) for ``sparse_mla_canonical``, its static
+    ``params`` (no ``deterministic``/``implementation``), ``masked`` the
+    indices with every slot the clamp rule excludes set to -1
+    (packed_kernel_cases.ranges_mask, read independently of the kernels) and
+    ``oracle_kw`` the keywords under which the float64 oracle on ``masked``
+    is the expected result (no causal rule)."""
+    from packed_kernel_cases import adversarial_indices, adversarial_row_ranges, ranges_mask
+
+    rng = np.random.default_rng(seed)
+    d_v = min(D, 512)
+    sm_scale = float(D ** -0.5 * rng.uniform(0.8, 1.6))
+    q = jnp.asarray(rng.standard_normal((B, S, H, D)).astype(np.float32), dtype)
+    kv = jnp.asarray(rng.standard_normal((B, N, 1, D)).astype(np.float32), dtype)
+    idx = adversarial_indices(rng, B, S, T, N, far=far)
+    ranges = adversarial_row_ranges(rng, B, S, N, T, far=far)
+    masked = np.where(ranges_mask(idx, ranges, N), idx, -1).astype(np.int32)
+    q_start = jnp.asarray(rng.integers(-50, 50, (B,)), jnp.int32)
+    params = dict(sm_scale=sm_scale, causal=True, k_stride=1, lse_base=lse_base, d_v=d_v)
+    oracle_kw = dict(sm_scale=sm_scale, d_v=d_v, causal=False, q_start_index=0, k_stride=1, lse_base=lse_base)
+    operands = (q, kv, jnp.asarray(idx), q_start, jnp.asarray(ranges))
+    return operands, params, jnp.asarray(masked), oracle_kw
+
+
+def raw_row_ranges_forward(operands, params, *, implementation):
+    """``(out, lse, lowered text)`` of ``sparse_mla_canonical`` (the lowest
+    level that takes raw row ranges) under jit."""
+    from jax_attn_dist.ops.sparse_mla.autodiff import sparse_mla_canonical
+
+    f = jax.jit(lambda *a: sparse_mla_canonical(*a, deterministic=False, implementation=implementation, **params))
+    lowered = f.lower(*operands)
+    out, lse = lowered.compile()(*operands)
+    return out, lse, lowered.as_text()
+
+
+def raw_row_ranges_grads(operands, params, dout, dlse, *, implementation, deterministic):
+    """``(dq, dkv, lowered text)``: the vjp of ``sparse_mla_canonical`` on raw
+    row ranges with respect to q and kv, under jit."""
+    from jax_attn_dist.ops.sparse_mla.autodiff import sparse_mla_canonical
+
+    def f(q, kv, idx, q_start, ranges, dout, dlse):
+        fwd = lambda q, kv: sparse_mla_canonical(q, kv, idx, q_start, ranges, deterministic=deterministic,  # noqa: E731
+                                                 implementation=implementation, **params)
+        _, vjp = jax.vjp(fwd, q, kv)
+        return vjp((dout, dlse))
+
+    lowered = jax.jit(f).lower(*operands, dout, dlse)
+    dq, dkv = lowered.compile()(*operands, dout, dlse)
+    return dq, dkv, lowered.as_text()
