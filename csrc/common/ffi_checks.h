@@ -83,10 +83,9 @@ inline ffi::Error CheckRowRanges(const Checker& check, const OptionalRanges& row
   if (!row_ranges.has_value()) return ffi::Error::Success();
   const auto rd = row_ranges->dimensions();
   const bool given = rd.size() == 3 && rd[2] == kRowRangeFields;
-  if (auto e = check.Shape("row_ranges", rd, {B, S, given ? kRowRangeFields : 0},
-                           given ? "[B, S, 3]" : "[B, S, 3], or [B, S, 0] for none");
-      e.failure())
-    return e;
+  if (rd.size() != 3 || rd[0] != B || rd[1] != S || (rd[2] != kRowRangeFields && rd[2] != 0))
+    return check.Invalid("row_ranges must have shape [B, S, 3] = [" + std::to_string(B) + ", " + std::to_string(S) +
+                         ", 3], or [B, S, 0] for none, got " + Shape(rd));
   if (given) *ranges = row_ranges->typed_data();
   return ffi::Error::Success();
 }

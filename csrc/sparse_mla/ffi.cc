@@ -51,7 +51,7 @@ ffi::Error CheckRowOperands(const Checker& check, const ffi::Buffer<ffi::BF16>& 
   if (auto e = CheckRowRanges(check, row_ranges, B, S, &r->ranges); e.failure()) return e;
   // sm_scale * log2(e) in float32, the kernels' scale, must stay finite too.
   if (!(std::isfinite(sm_scale) && sm_scale > 0.f && std::isfinite(float(double(sm_scale) * 1.4426950408889634))))
-    return check.Invalid("sm_scale must be > 0 and finite, also times log2(e) in float32, got " +
+    return check.Invalid("sm_scale must be finite and > 0 (also times log2(e) in float32), got " +
                          std::to_string(sm_scale));
   if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
   return ffi::Error::Success();
