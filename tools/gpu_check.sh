@@ -17,7 +17,7 @@ steps=("$@")
 status=()
 failed=0
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}  # a hung kernel must not eat the whole call
-TEST_TIMEOUT=${TEST_TIMEOUT:-480}  # the whole GPU suite (367 tests) takes 330-390 s; with build, about 450 s
+TEST_TIMEOUT=${TEST_TIMEOUT:-480}  # the GPU suite's groups side by side: about 300 s (on an H200); with build, about 360 s
 unset STEP_LIMIT                   # set per step only (run's override)
 run() {  # name, command...  (the step's limit: $STEP_LIMIT if set, else STEP_TIMEOUT)
   local name=$1; shift
@@ -29,10 +29,31 @@ run() {  # name, command...  (the step's limit: $STEP_LIMIT if set, else STEP_TI
   echo "== $name rc=$rc ($((SECONDS - t0))s)"; tail -n 25 "$OUT/$name.log"
   return $rc
 }
-GPU_TESTS=(tests/attn_dist/test_gpu.py tests/attn_dist/test_gpu_transforms.py tests/indexer/test_gpu.py
-           tests/packing/test_gpu.py tests/package/test_gpu_command_buffers.py tests/package/test_xla_precision.py
-           tests/sparse_mla/test_gpu.py tests/sparse_mla/test_gpu_backward.py tests/sparse_mla/test_gpu_poisoned.py tests/indexer_topk/test_gpu.py
-           tests/dsa/test_gpu.py)
+# The GPU tests in groups of about equal time, run side by side on the one GPU
+# (their float64 references are CPU work; one after another they take about
+# 20 minutes, side by side about 5).
+GPU_TEST_GROUPS=("tests/attn_dist/test_gpu.py tests/attn_dist/test_gpu_transforms.py tests/packing/test_gpu.py"
+                 "tests/indexer/test_gpu.py tests/package/test_gpu_command_buffers.py tests/package/test_xla_precision.py
+                  tests/sparse_mla/test_gpu_poisoned.py"
+                 "tests/indexer_topk/test_gpu.py tests/sparse_mla/test_gpu.py"
+                 "tests/sparse_mla/test_gpu_backward.py"
+                 "tests/dsa/test_gpu.py")
+gpu_test_groups() {  # each group's pytest in the background, its log test_<n>.log; fails if any group failed
+  local pids=() rc=0 i
+  trap 'kill "${pids[@]}" 2>/dev/null' TERM  # the step's time limit ends the groups too
+  for i in "${!GPU_TEST_GROUPS[@]}"; do
+    # shellcheck disable=SC2086  # a group is a list of files
+    JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m pytest -q -rs ${GPU_TEST_GROUPS[$i]} --run-large -p no:cacheprovider \
+      > "$OUT/test_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || rc=1
+    echo "group $i: $(tail -n 1 "$OUT/test_$i.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/test_$i.log"
+  done
+  return $rc
+}
 for step in "${steps[@]}"; do
   case $step in
     build)
@@ -52,8 +73,8 @@ print(m.__file__, 'built', m.build_id(), 'checkout', here)
 assert m.build_id() == here, 'stale extension'
 assert m.test_targets_built(), 'built without the test-only FFI targets'
 print(_ext.kernel_unavailable_reason())" || exit 1 ;;
-    test) STEP_LIMIT=$TEST_TIMEOUT run test env JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m pytest -q -rs "${GPU_TESTS[@]}" --run-large \
-            -p no:cacheprovider ;;
+    test) STEP_LIMIT=$TEST_TIMEOUT run test bash "$0" _test_groups ;;
+    _test_groups) gpu_test_groups; exit $? ;;  # the test step's body, in a process the time limit can end
     test-all) run test-all env JAX_PLATFORMS=cpu JAX_ATTN_DIST_REQUIRE_GPU=0 python3 -m pytest -q -rs tests \
                 -p no:cacheprovider ;;
     multi-gpu) run multi-gpu env JAX_ATTN_DIST_REQUIRE_GPU=2 python3 -m pytest -q -rs tests/sparse_mla/test_gpu_sharding.py \
