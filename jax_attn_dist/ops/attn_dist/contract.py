@@ -142,7 +142,9 @@ def kernel_supports(problem: Problem) -> Tuple[bool, str]:
     """Whether the CUDA kernel serves this problem, and if not, why.
 
     The kernel serves bfloat16 q/k, HK = 1 (MLA's MQA form), D in {512, 576},
-    any H >= 1, any S, any T, and the batch natively. Empty problems (B, S, T
+    any H >= 1 and the batch natively, within the launch limits the kernel
+    counts in int32 (``checks.kernel_size_reason``: S, N and B * S * G below
+    2^31, T at most 2^30). Empty problems (B, S, T
     or N zero) never reach the kernel: ``attn_dist`` returns zeros for them.
     """
     if problem.dtype != jnp.dtype(jnp.bfloat16):

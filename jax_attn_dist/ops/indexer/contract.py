@@ -168,8 +168,9 @@ def check_params(*, scale, causal, k_stride, deterministic, who: str = "indexer_
 
 def kernel_supports(problem: Problem) -> Tuple[bool, str]:
     """Whether the indexer CUDA kernel serves this problem, and if not, why:
-    bfloat16 index_q/index_k, DI in {64, 128}, 1 <= HI <= 256; any S, T, N,
-    batch; weights float32 or bfloat16."""
+    bfloat16 index_q/index_k, DI in {64, 128}, 1 <= HI <= 256; batch;
+    weights float32 or bfloat16; S, N and B * S below 2^31 and T at most
+    2^30 (``checks.kernel_size_reason``)."""
     if problem.dtype != jnp.dtype(jnp.bfloat16):
         return False, f"the indexer CUDA kernel takes bfloat16 index_q/index_k, got {checks.dtype_name(problem.dtype)}"
     if problem.DI not in KERNEL_HEAD_DIMS:

@@ -164,8 +164,10 @@ def kernel_supports(problem: Problem, *, d_v: int = KERNEL_D_V) -> Tuple[bool, s
     """Whether the CUDA kernel serves this problem, and if not, why.
 
     The kernel serves bfloat16 q/kv, HK = 1 (MLA's MQA form), D in
-    {512, 576}, d_v = 512, any H >= 1, any S, any T >= 1, the batch, SPEC
-    §6's packed rows and a traced q_start natively. Empty problems (B, S, T
+    {512, 576}, d_v = 512, any H >= 1, the batch, SPEC §6's packed rows and
+    a traced q_start natively, within the launch limits the kernels count in
+    int32 (``checks.kernel_size_reason``: S, N and B * S * ceil(H / 64)
+    below 2^31, T at most 2^30). Empty problems (B, S, T
     or N zero) never reach the kernel: ``sparse_mla`` returns zeros and
     -inf for them.
     """
