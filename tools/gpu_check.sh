@@ -43,7 +43,7 @@ gpu_test_groups() {  # each group's pytest in the background, its log test_<n>.l
   trap 'kill "${pids[@]}" 2>/dev/null' TERM  # the step's time limit ends the groups too
   for i in "${!GPU_TEST_GROUPS[@]}"; do
     # shellcheck disable=SC2086  # a group is a list of files
-    JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m pytest -q -rs ${GPU_TEST_GROUPS[$i]} --run-large -p no:cacheprovider \
+    JAX_ATTN_DIST_REQUIRE_GPU=1 python3 -m pytest -q -rfEs ${GPU_TEST_GROUPS[$i]} --run-large -p no:cacheprovider \
       > "$OUT/test_$i.log" 2>&1 &
     pids+=($!)
   done

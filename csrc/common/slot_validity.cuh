@@ -5,7 +5,7 @@
 // * no row ranges (SPEC §2): every slot live, key_begin = 0, key_end = N, or,
 //   if causal, min(N, floor((q_start + s + 1 - k_stride) / k_stride) + 1);
 // * row ranges [B, S, 3] (SPEC §6, computed in XLA from cu_seqlens,
-//   topk_length, causal and q_start; see jax_attn_dist/packing.py): the row's
+//   topk_length, causal and q_start; see jax_attn_dist/_core/packing.py): the row's
 //   (key_begin, key_end, topk_length), clamped here into [0, N] and [0, T] so
 //   that no value can make a kernel read out of bounds.
 // A kernel builds one RowSlots per query row and asks it; nothing else

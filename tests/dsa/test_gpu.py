@@ -45,8 +45,8 @@ def out_shape():
 
 @pytest.fixture(autouse=True)
 def _needs_these_kernels():
-    """The extension may predate an op: every forward FFI target must be registered."""
-    require_ffi_targets(*FORWARD_TARGETS)
+    """The extension may predate an op: every FFI target the layer uses must be registered."""
+    require_ffi_targets(*FORWARD_TARGETS, indexer_contract.BWD_FFI_TARGET, mla_contract.BWD_FFI_TARGET)
 
 
 def inputs(tag, **extra):

@@ -187,13 +187,24 @@ def test_cuda_lowering_serves_fewer_heads_than_the_variant(cross_lowering, HI):
     assert f"tensor<1x4x{HI}x128xbf16>" in call, call
 
 
-def test_kernel_refuses_more_slots_than_it_counts():
-    """topk above 2^30 (the kernels' slot limit) falls back, with the reason."""
+def test_kernel_refuses_more_slots_than_it_counts(cross_lowering):
+    """topk above 2^30 (the kernels' slot limit): kernel_supports says why
+    (given T, or topk where the problem has none, as in the lowering rule),
+    the CUDA lowering falls back to the jnp path and "cuda" raises."""
     iq, ik, w, kw = make_topk_inputs(0, S=4, HI=64, DI=128, N=9)
-    problem = dataclasses.replace(topk_contract.check_problem(iq, ik, w, kw.get("index_k_scale")), T=2**30 + 1)
-    ok, why = indexer_topk_kernel_supports(problem)
-    assert not ok and "at most 2^30 slots" in why, why
-    assert indexer_topk_kernel_supports(dataclasses.replace(problem, T=2**30))[0]
+    problem = topk_contract.check_problem(iq, ik, w, kw.get("index_k_scale"))
+    for over in (dict(problem=dataclasses.replace(problem, T=2**30 + 1)), dict(problem=problem, topk=2**30 + 1)):
+        ok, why = indexer_topk_kernel_supports(**over)
+        assert not ok and "at most 2^30 slots" in why, why
+    assert indexer_topk_kernel_supports(problem, topk=2**30)[0]
+    # Traced only (never run): the XLA path would need a [S, 1, 2^30 + 1] result.
+    args = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (iq, ik, w))
+    lowered = jax.jit(lambda *a: indexer_topk(*a, topk=2**30 + 1, **kw)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert topk_contract.FFI_TARGET not in lowered
+    assert topk_contract.FFI_TARGET in _lower(lambda *a: indexer_topk(*a, topk=5, **kw), (iq, ik, w), "cuda")
+    with pytest.raises(ValueError, match="at most 2\\^30 slots"):
+        jax.jit(lambda *a: indexer_topk(*a, topk=2**30 + 1, implementation="cuda", **kw)).trace(*args)
 
 
 def test_cuda_lowering_of_packed_rows(cross_lowering):

@@ -46,9 +46,10 @@ def check_grads_f32(dq, dkv, q, kv, idx, kw, dout, dlse, **packing):
     measures of spec_errors), finite, exactly 0 where no gradient reaches."""
     want = oracle.sparse_mla_grads_oracle(q, kv, idx, np.asarray(dout, np.float64), np.asarray(dlse, np.float64),
                                           **oracle_kwargs(kw), **oracle_kwargs(packing))
+    assert dq.dtype == q.dtype and dkv.dtype == kv.dtype, (dq.dtype, dkv.dtype)
     for name, got, ref in (("dq", dq, want[0]), ("dkv", dkv, want[1])):
         got = np.asarray(got, np.float64)
-        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        assert got.shape == ref.shape, name
         assert np.isfinite(got).all(), f"{name}: non-finite gradient"
         assert np.abs(ref).max() > 0, f"{name}: the reference is all 0 (degenerate test)"
         rel, mx = oracle.spec_errors(got, ref)

@@ -164,12 +164,15 @@ def check_params(*, topk, scale, causal, k_stride, who: str = "indexer_topk") ->
     )
 
 
-def kernel_supports(problem: Problem) -> Tuple[bool, str]:
+def kernel_supports(problem: Problem, *, topk: Optional[int] = None) -> Tuple[bool, str]:
     """Whether the indexer_topk CUDA kernel serves this problem, and if not,
     why: index_q/index_k of a dtype in ``KERNEL_DTYPES``, a DI of
     ``KERNEL_VARIANTS`` with at most that entry's HI heads; S, N, B * S below
     2^31 and topk at most 2^30; batch, packed rows, traced q_start; weights
-    float32 or bfloat16."""
+    float32 or bfloat16. ``topk``: the slot count where ``problem.T`` is not
+    known (a lowering rule's problem is built from the operands alone)."""
+    if topk is not None:
+        problem = dataclasses.replace(problem, T=topk)
     if checks.dtype_name(problem.dtype) not in KERNEL_DTYPES:
         return False, (f"the indexer_topk CUDA kernel takes index_q/index_k of dtype {' or '.join(KERNEL_DTYPES)}, "
                        f"got {checks.dtype_name(problem.dtype)}")

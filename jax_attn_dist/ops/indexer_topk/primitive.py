@@ -69,7 +69,7 @@ def _out_specs(front):  # indices [V, B, S, 1, topk]: as index_q's V, B, S
 ext.declare_ffi_targets(contract.FFI_TARGET)
 register_platform_lowerings(
     indexer_topk_local_p, who="indexer_topk", check=contract.check_canonical,
-    supports=contract.kernel_supports, jnp_impl=_selection_jnp, kernel_impl=_ffi_selection,
+    supports=contract.kernel_supports, supports_params=("topk",), jnp_impl=_selection_jnp, kernel_impl=_ffi_selection,
     multiple_results=False,
 )
 register_partitioned_lowering(indexer_topk_p, indexer_topk_local_p, PARTITIONING)
