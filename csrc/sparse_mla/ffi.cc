@@ -363,56 +363,27 @@ ffi::Error SparseMlaBwdFixedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, 
 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaFwd, SparseMlaFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
-                                  .OptionalArg<ffi::Buffer<ffi::S32>>()  // row_ranges
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Attr<float>("sm_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("k_stride")
-                                  .Attr<bool>("lse_base_e"),
+                              SparseMlaFwdResultsAndAttrs(
+                                  SparseMlaFwdOperands().OptionalArg<ffi::Buffer<ffi::S32>>()),  // row_ranges
                               {ffi::Traits::kCmdBufferCompatible});
 
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwd, SparseMlaBwdImpl,
-                              SparseMlaBwdOperands()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // dq
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dkv
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
-                                  .Attr<float>("sm_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("k_stride")
-                                  .Attr<bool>("lse_base_e")
-                                  .Attr<bool>("deterministic"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwd, SparseMlaBwdImpl, SparseMlaBwdResultsAndAttrs(SparseMlaBwdOperands()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwdBound, SparseMlaBwdBoundImpl,
-                              SparseMlaBwdOperands()
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // row_delta
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // scale_words
-                                  .Attr<float>("sm_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("k_stride")
-                                  .Attr<bool>("lse_base_e"),
+                              SparseMlaAttrs(SparseMlaBwdOperands()
+                                                 .Ret<ffi::Buffer<ffi::F32>>()    // row_delta
+                                                 .Ret<ffi::Buffer<ffi::S32>>()),  // scale_words
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwdFixed, SparseMlaBwdFixedImpl,
-                              SparseMlaBwdOperands()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // row_delta
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // scale_words
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // dq
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // limbs
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // flags
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
-                                  .Attr<float>("sm_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("k_stride")
-                                  .Attr<bool>("lse_base_e")
+                              SparseMlaAttrs(SparseMlaBwdOperands()
+                                                 .Arg<ffi::Buffer<ffi::F32>>()   // row_delta
+                                                 .Arg<ffi::Buffer<ffi::S32>>()   // scale_words
+                                                 .Ret<ffi::Buffer<ffi::BF16>>()  // dq
+                                                 .Ret<ffi::Buffer<ffi::S32>>()   // limbs
+                                                 .Ret<ffi::Buffer<ffi::S32>>()   // flags
+                                                 .Ret<ffi::Buffer<ffi::U8>>())   // workspace
                                   .Attr<int64_t>("scale_rows"),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 
@@ -42,6 +43,33 @@ ffi::Error SparseMlaBwdCall(const char* target, cudaStream_t stream, ffi::Buffer
                             ffi::Result<ffi::Buffer<ffi::U8>> workspace, float sm_scale, bool causal,
                             int32_t k_stride, bool lse_base_e, bool deterministic);
 
+// The attributes every sparse_mla handler takes, after its results.
+template <class Binding>
+auto SparseMlaAttrs(Binding b) {
+  return std::move(b).template Attr<float>("sm_scale")
+      .template Attr<bool>("causal")
+      .template Attr<int32_t>("k_stride")
+      .template Attr<bool>("lse_base_e");
+}
+
+// The forward's operands up to q_start, and its results and attributes after
+// the row ranges (shared with the poisoned twin, which has more operands
+// between).
+inline auto SparseMlaFwdOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()  // q
+      .Arg<ffi::Buffer<ffi::BF16>>()  // kv
+      .Arg<ffi::Buffer<ffi::S32>>()   // indices
+      .Arg<ffi::Buffer<ffi::S32>>();  // q_start
+}
+
+template <class Binding>
+auto SparseMlaFwdResultsAndAttrs(Binding b) {
+  return SparseMlaAttrs(std::move(b).template Ret<ffi::Buffer<ffi::BF16>>()  // out
+                            .template Ret<ffi::Buffer<ffi::F32>>());         // lse
+}
+
 // The operands every backward handler takes first, in this order: the
 // forward's inputs and outputs and the cotangents.
 inline auto SparseMlaBwdOperands() {
@@ -56,6 +84,15 @@ inline auto SparseMlaBwdOperands() {
       .Arg<ffi::Buffer<ffi::F32>>()   // lse
       .Arg<ffi::Buffer<ffi::BF16>>()  // dout
       .Arg<ffi::Buffer<ffi::F32>>();  // dlse
+}
+
+// The backward's results and attributes (shared with its poisoned twin).
+template <class Binding>
+auto SparseMlaBwdResultsAndAttrs(Binding b) {
+  return SparseMlaAttrs(std::move(b).template Ret<ffi::Buffer<ffi::BF16>>()  // dq
+                            .template Ret<ffi::Buffer<ffi::F32>>()           // dkv
+                            .template Ret<ffi::Buffer<ffi::U8>>())           // workspace
+      .template Attr<bool>("deterministic");
 }
 
 // The deterministic backward of a call whose rows are sharded, split around

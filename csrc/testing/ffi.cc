@@ -111,34 +111,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexerBwdInto, IndexerBwdIntoImpl,
                                                             .Arg<ffi::Buffer<ffi::F32>>()),  // dk_init
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaFwdInto, SparseMlaFwdIntoImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // q
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // kv
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // indices
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // out_init
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse_init
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Attr<float>("sm_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("k_stride")
-                                  .Attr<bool>("lse_base_e"),
+                              SparseMlaFwdResultsAndAttrs(SparseMlaFwdOperands()
+                                                              .Arg<ffi::Buffer<ffi::S32>>()    // row_ranges
+                                                              .Arg<ffi::Buffer<ffi::BF16>>()   // out_init
+                                                              .Arg<ffi::Buffer<ffi::F32>>()),  // lse_init
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSparseMlaBwdInto, SparseMlaBwdIntoImpl,
-                              SparseMlaBwdOperands()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // dq_init
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // dkv_init
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // dq
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // dkv
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
-                                  .Attr<float>("sm_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("k_stride")
-                                  .Attr<bool>("lse_base_e")
-                                  .Attr<bool>("deterministic"),
+                              SparseMlaBwdResultsAndAttrs(SparseMlaBwdOperands()
+                                                              .Arg<ffi::Buffer<ffi::BF16>>()   // dq_init
+                                                              .Arg<ffi::Buffer<ffi::F32>>()),  // dkv_init
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace attn_dist
