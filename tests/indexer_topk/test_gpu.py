@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inputs import register_kernels, seed_of
+from inputs import INT32_LIMIT_STARTS, INT32_MAX, INT32_MIN, register_kernels, seed_of
 from jax_attn_dist import indexer_kl, indexer_topk, oracle
 from jax_attn_dist.oracle import indexer_topk as topk_oracle
 from jax_attn_dist.ops.indexer_topk import contract as topk_contract
 from jax_attn_dist.ops.indexer_topk.autodiff import indexer_topk_canonical
-from topk_inputs import (FP8, INT32_MAX, INT32_MIN, LIMIT_Q_STARTS, adversarial_topk_ranges, assert_row_kinds,
-                         check_selection, make_topk_inputs, raw_range_logits, valid_counts, widest_band)
+from topk_inputs import (FP8, adversarial_topk_ranges, assert_row_kinds, check_selection, make_topk_inputs,
+                         raw_range_logits, valid_counts, widest_band)
 
 pytestmark = pytest.mark.gpu
 
@@ -64,10 +64,10 @@ class Case:
 # (4, 5) has a row written directly and one selecting), 3 * 2^28 - 2 gives 2
 # or 3. N = 20000: INT32_MAX's rows select in several chunks.
 LIMIT_CASES = [
-    Case(S=64, N=3000, topk=64, B=5, q_start=LIMIT_Q_STARTS + (-21,)),
-    Case(S=64, N=3000, topk=64, B=5, k_stride=3, q_start=LIMIT_Q_STARTS + (-21,)),
-    Case(S=16, N=3000, topk=7, B=5, k_stride=1 << 28, q_start=LIMIT_Q_STARTS + (3 * (1 << 28) - 2,)),
-    Case(S=24, N=20000, topk=512, B=5, q_start=LIMIT_Q_STARTS + (-10,)),
+    Case(S=64, N=3000, topk=64, B=5, q_start=INT32_LIMIT_STARTS + (-21,)),
+    Case(S=64, N=3000, topk=64, B=5, k_stride=3, q_start=INT32_LIMIT_STARTS + (-21,)),
+    Case(S=16, N=3000, topk=7, B=5, k_stride=1 << 28, q_start=INT32_LIMIT_STARTS + (3 * (1 << 28) - 2,)),
+    Case(S=24, N=20000, topk=512, B=5, q_start=INT32_LIMIT_STARTS + (-10,)),
 ]
 
 # One batch element starting before its keys: its first rows see no key,

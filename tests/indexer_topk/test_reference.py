@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inputs import seed_of
+from inputs import INT32_LIMIT_STARTS, INT32_MAX, INT32_MIN, seed_of
 from jax_attn_dist import indexer_topk
 from jax_attn_dist.oracle import indexer_topk as topk_oracle
 from jax_attn_dist.ops.indexer_topk.reference import indexer_topk_reference_canonical, select_topk
 from jax_attn_dist._core import checks
 from jax_attn_dist.ops.indexer_topk.autodiff import indexer_topk_canonical
-from topk_inputs import (FP8, INT32_MAX, INT32_MIN, LIMIT_Q_STARTS, adversarial_topk_ranges, assert_row_kinds,
-                         check_selection, make_topk_inputs, oracle_logits, raw_range_logits, valid_counts)
+from topk_inputs import (FP8, adversarial_topk_ranges, assert_row_kinds, check_selection, make_topk_inputs,
+                         oracle_logits, raw_range_logits, valid_counts)
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -216,7 +216,7 @@ def test_q_start_at_int32_limits(k_stride, topk, extra, dtype):
     (and one ordinary start), traced: every row against the float64 rule,
     its number of valid keys against the rule in Python integers."""
     B, S, N = 5, 12, 40
-    q_start = LIMIT_Q_STARTS + (extra,)
+    q_start = INT32_LIMIT_STARTS + (extra,)
     iq, ik, w, kw = make_topk_inputs(seed_of("topk-limits", k_stride, jnp.dtype(dtype).name), B=B, S=S, HI=4,
                                      DI=16, N=N, dtype=dtype, k_stride=k_stride, q_start_index=0)
     kw["q_start_index"] = np.asarray(q_start, np.int32)
@@ -239,7 +239,7 @@ def test_packed_q_start_at_int32_limits(k_stride):
     S, N, topk = 16, 40, 5
     cu_q = np.asarray([0, 3, 6, 10, 13, 16], np.int32)
     cu_k = np.asarray([0, 8, 16, 24, 32, 40], np.int32)
-    qs = np.asarray(LIMIT_Q_STARTS + (3,), np.int32)
+    qs = np.asarray(INT32_LIMIT_STARTS + (3,), np.int32)
     iq, ik, w, kw = make_topk_inputs(seed_of("topk-packed-limits", k_stride), S=S, HI=4, DI=16, N=N,
                                      k_stride=k_stride, q_start_index=0)
     kw = dict(kw, q_start_index=qs)

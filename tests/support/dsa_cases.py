@@ -107,20 +107,13 @@ def check_forward_against_oracle(r, arrays, kw):
     float64 one is), ``indexer_kl`` by §3.2 (INDEXER_TOLERANCE) against the
     float64 KL towards the float64 target. Returns the measured errors and
     the oracle's ``(out, lse, kl, target)``."""
-    from sparse_mla_cases import lse_errors
+    from sparse_mla_cases import assert_out_and_lse
 
     ref = oracle_layer(arrays, np.asarray(r.indices), kw)
     ref_out, ref_lse, ref_kl, _ = ref
-    out = np.asarray(jnp.asarray(r.out, jnp.float32))
-    assert np.isfinite(out).all(), "out has non-finite values"
-    assert np.abs(ref_out).max() > 0, "degenerate problem: the oracle's out is all 0"
-    out_rel, out_max = oracle.spec_errors(out, ref_out)
-    tol = oracle.SPARSE_MLA_OUT_TOLERANCE
-    assert out_rel <= tol and out_max <= tol, f"out: rel {out_rel:.3e}, max {out_max:.3e} (tol {tol:g})"
-    lse_err, same_empty = lse_errors(r.lse, ref_lse)
-    assert same_empty, "lse: the rows with no valid slot (-inf) differ from the float64 ones"
-    assert lse_err <= oracle.SPARSE_MLA_LSE_TOLERANCE, f"lse: max abs error {lse_err:.3e}"
-    assert np.all(out[np.isneginf(ref_lse)] == 0), "rows with no valid slot must give out = 0 exactly"
+    out_rel, out_max, lse_err = assert_out_and_lse(r.out, r.lse, ref_out, ref_lse,
+                                                   out_tol=oracle.SPARSE_MLA_OUT_TOLERANCE,
+                                                   lse_tol=oracle.SPARSE_MLA_LSE_TOLERANCE)
     oracle.assert_indexer_close(r.indexer_kl, ref_kl)
     assert float(np.asarray(r.indexer_kl).max()) > 0, "degenerate problem: the KL is all 0"
     errors = dict(out_rel=out_rel, out_max=out_max, lse=lse_err, kl=oracle.indexer_error(r.indexer_kl, ref_kl))
@@ -201,19 +194,13 @@ def check_layer_grads(grads, arrays, reference):
     Frobenius, max-abs) for dq and dkv, (largest error / its element's
     bound, relative Frobenius, max-abs) for the indexer's."""
     from indexer_cases import BWD_TOLERANCE, assert_bwd_within_bound
-    from sparse_mla_cases import GRAD_MAX_TOL, GRAD_TOL
+    from sparse_mla_cases import assert_grad_close
 
     mla, (want, mags, ambiguous), no_gradient = reference
     errors = {}
     for name, got, ref, x, dead in zip(("q", "kv"), grads[:2], mla, arrays[:2], no_gradient):
         assert got.dtype == x.dtype, f"d{name}: {got.dtype}, not {x.dtype}"
-        got = np.asarray(jnp.asarray(got, jnp.float32))
-        assert np.isfinite(got).all(), f"d{name} has non-finite values"
-        assert np.abs(ref).max() > 0, f"degenerate problem: the float64 d{name} is all 0"
-        rel, mx = oracle.spec_errors(got, ref)
-        errors[f"d{name}"] = (rel, mx)
-        assert rel <= GRAD_TOL and mx <= GRAD_MAX_TOL, f"d{name}: rel {rel:.3e}, max {mx:.3e}"
-        assert np.all(got[dead] == 0), f"d{name}: entries that take no gradient must be exactly 0"
+        errors[f"d{name}"] = assert_grad_close(f"d{name}", got, ref, zero=dead)
     for name, ref in zip(("index_q", "index_k", "weights"), want):
         assert np.abs(ref).max() > 0, f"degenerate problem: the float64 d{name} is all 0"
     assert_bwd_within_bound(grads[2:], want, mags, ambiguous)

@@ -12,6 +12,12 @@ from jax_attn_dist import oracle
 from jax_attn_dist._core.checks import INT32_MAX
 from jax_attn_dist._core.checks import INT32_MIN
 
+#: q_start values at the int32 limits (SPEC §6.2 and §9.2: the causal rule is
+#: exact for every int32 q_start): near INT32_MIN no key is visible, near
+#: INT32_MAX every key in range; a rule formed in int32 (q_start + s + 1 -
+#: k_stride) wraps around and flips them.
+INT32_LIMIT_STARTS = (INT32_MIN, INT32_MIN + 3, INT32_MAX - 5, INT32_MAX)
+
 
 def register_kernels() -> None:
     """Registers the extension's FFI targets (the test-only poisoned ones

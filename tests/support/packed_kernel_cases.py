@@ -148,15 +148,22 @@ def adversarial_row_ranges(rng, B, S, N, T, far=False):
     return np.clip(out, INT32_MIN, INT32_MAX).astype(np.int32)
 
 
+def key_bounds(ranges, N):
+    """int64 ``(begin, end)`` [B, S]: each row's key range under the clamp
+    of checks.ROW_RANGE_FIELDS (begin into [0, N], end into [begin, N]), in
+    Python integers (independent of the kernels' and the jnp path's)."""
+    r = np.asarray(ranges).astype(np.int64)
+    begin = np.clip(r[..., 0], 0, N)
+    return begin, np.clip(r[..., 1], begin, N)
+
+
 def ranges_mask(indices, ranges, N):
     """bool [B, S, 1, T]: the row-range rule of checks.ROW_RANGE_FIELDS in
     Python integers (independent of the kernels' and the jnp path's)."""
     idx = np.asarray(indices).astype(np.int64)
-    r = np.asarray(ranges).astype(np.int64)
     T = idx.shape[-1]
-    begin = np.clip(r[..., 0], 0, N)
-    end = np.clip(r[..., 1], begin, N)
-    length = np.clip(r[..., 2], 0, T)
+    begin, end = key_bounds(ranges, N)
+    length = np.clip(np.asarray(ranges).astype(np.int64)[..., 2], 0, T)
     j = np.arange(T)
     return ((idx >= begin[:, :, None, None]) & (idx < end[:, :, None, None])
             & (j < length[:, :, None, None]))

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inputs import INT32_MAX, INT32_MIN
+from inputs import INT32_LIMIT_STARTS, INT32_MAX, INT32_MIN
 from jax_attn_dist import oracle, sparse_mla
 from jax_attn_dist.ops.sparse_mla.contract import BWD_FFI_TARGET
 
@@ -93,11 +93,11 @@ def lse_errors(lse, ref):
     return err, same_empty
 
 
-def check_against_oracle(q, kv, idx, kwargs, out, lse, *, out_tol, lse_tol, **packing):
+def assert_out_and_lse(out, lse, ref_out, ref_lse, *, out_tol, lse_tol):
     """out within ``out_tol`` (SPEC §3.1's two measures) and lse within
-    ``lse_tol`` (absolute) of the float64 oracle; rows with no valid slot
-    exactly 0 and -inf; out finite, in q's dtype."""
-    ref_out, ref_lse = oracle.sparse_mla_oracle(q, kv, idx, **oracle_kwargs(kwargs), **oracle_kwargs(packing))
+    ``lse_tol`` (absolute) of the float64 ``ref_out``/``ref_lse``; rows with
+    no valid slot exactly 0 and -inf; out finite. Returns (rel, max, lse
+    error)."""
     out = np.asarray(jnp.asarray(out, jnp.float32))
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     assert np.isfinite(out).all(), "out has non-finite values"
@@ -109,6 +109,14 @@ def check_against_oracle(q, kv, idx, kwargs, out, lse, *, out_tol, lse_tol, **pa
     assert err <= lse_tol, f"lse: max abs error {err:.3e} (tol {lse_tol:g})"
     empty = np.isneginf(ref_lse)
     assert np.all(out[empty] == 0.0), "rows with no valid slot must give out = 0 exactly"
+    return rel, mx, err
+
+
+def check_against_oracle(q, kv, idx, kwargs, out, lse, *, out_tol, lse_tol, **packing):
+    """assert_out_and_lse against the float64 oracle of this problem; returns
+    the oracle's (out, lse)."""
+    ref_out, ref_lse = oracle.sparse_mla_oracle(q, kv, idx, **oracle_kwargs(kwargs), **oracle_kwargs(packing))
+    assert_out_and_lse(out, lse, ref_out, ref_lse, out_tol=out_tol, lse_tol=lse_tol)
     return ref_out, ref_lse
 
 
@@ -145,21 +153,31 @@ def grads(q, kv, idx, kw, dout, dlse, *, deterministic=False, **packing):
     return lowered.compile()(q, kv, idx, arrays, dout, dlse)
 
 
-def check_grads(q, kv, idx, kw, dout, dlse, dq, dkv, **packing):
-    """dq and dkv within GRAD_TOL of the float64 gradients, finite, in the
-    input dtypes; entries that take no gradient exactly 0."""
-    ref_dq, ref_dkv = oracle.sparse_mla_grads_oracle(q, kv, idx, np.asarray(dout, np.float32),
-                                                     np.asarray(dlse, np.float32), **oracle_kwargs(kw),
+def assert_grad_close(name, got, ref, *, zero, tol=GRAD_TOL, max_tol=GRAD_MAX_TOL):
+    """One gradient ``got`` against the float64 ``ref``: relative Frobenius
+    error within ``tol`` and max-abs (of the largest entry) within
+    ``max_tol``, finite, exactly 0 where ``zero`` (the entries no gradient
+    reaches). Returns (rel, max)."""
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    assert got.shape == ref.shape, name
+    assert np.isfinite(got).all(), f"{name} has non-finite values"
+    assert np.abs(ref).max() > 0, f"degenerate problem: the oracle's {name} is all 0"
+    rel, mx = oracle.spec_errors(got, ref)
+    assert rel <= tol and mx <= max_tol, f"{name}: rel {rel:.3e}, max {mx:.3e}"
+    assert np.all(got[zero] == 0), f"{name}: entries with no gradient must be exactly 0"
+    return rel, mx
+
+
+def check_grads(q, kv, idx, kw, dout, dlse, dq, dkv, *, tol=GRAD_TOL, max_tol=GRAD_MAX_TOL, **packing):
+    """dq and dkv within (``tol``, ``max_tol``) of the float64 gradients
+    (assert_grad_close), in the input dtypes; entries whose float64 gradient
+    is 0 exactly 0."""
+    ref_dq, ref_dkv = oracle.sparse_mla_grads_oracle(q, kv, idx, np.asarray(dout, np.float64),
+                                                     np.asarray(dlse, np.float64), **oracle_kwargs(kw),
                                                      **oracle_kwargs(packing))
-    assert dq.dtype == q.dtype and dkv.dtype == kv.dtype
+    assert dq.dtype == q.dtype and dkv.dtype == kv.dtype, (dq.dtype, dkv.dtype)
     for name, got, ref in (("dq", dq, ref_dq), ("dkv", dkv, ref_dkv)):
-        got = np.asarray(jnp.asarray(got, jnp.float32))
-        assert got.shape == ref.shape, name
-        assert np.isfinite(got).all(), f"{name} has non-finite values"
-        assert np.abs(ref).max() > 0, f"degenerate problem: the oracle's {name} is all 0"
-        rel, mx = oracle.spec_errors(got, ref)
-        assert rel <= GRAD_TOL and mx <= GRAD_MAX_TOL, f"{name}: rel {rel:.3e}, max {mx:.3e}"
-        assert np.all(got[ref == 0] == 0), f"{name}: entries with no gradient must be exactly 0"
+        assert_grad_close(name, got, ref, zero=ref == 0, tol=tol, max_tol=max_tol)
     return ref_dq, ref_dkv
 
 
@@ -212,13 +230,6 @@ def check_sharded_steps(seed, *, B=2, S=32, H=128, D=576, N=600, T=256):
 # ----------------------------------------------------------------------------
 # q_start at the int32 limits, malformed packing, raw row ranges
 # ----------------------------------------------------------------------------
-
-#: SPEC §6.2: the causal rule is exact for every int32 q_start. One batch
-#: element per value: the two near INT32_MIN see no key (lse -inf, zero
-#: gradients), the two near INT32_MAX every key in range; a rule formed in
-#: int32 (q_start + s + 1 - k_stride) wraps around and flips them.
-INT32_LIMIT_STARTS = (INT32_MIN, INT32_MIN + 3, INT32_MAX - 5, INT32_MAX)
-
 
 def make_int32_limit_inputs(seed, *, S, H, D, N, T, k_stride, dtype=jnp.bfloat16, **extra):
     """make_sparse_mla_inputs with B = 4 and the per-batch q_start

@@ -16,11 +16,6 @@ from sparse_mla_cases import check_against_oracle, check_grads
 BF16 = jnp.bfloat16
 
 
-def _attributes(kw):
-    return contract.ffi_attributes(sm_scale=kw["sm_scale"], causal=kw["causal"], k_stride=kw["k_stride"],
-                                   lse_base=kw["lse_base"])
-
-
 def _q_start(kw, B):
     return jnp.broadcast_to(jnp.asarray(kw["q_start_index"], jnp.int32), (B,))
 
@@ -35,7 +30,7 @@ def forward(q, kv, idx, kw):
     def call(q, kv, idx, q_start):
         poison = (jnp.full(out_types[0].shape, jnp.nan, BF16), jnp.full(out_types[1].shape, jnp.nan, jnp.float32))
         return jax.ffi.ffi_call(contract.FFI_TEST_TARGET, out_types, input_output_aliases={5: 0, 6: 1})(
-            q, kv, idx, q_start, checks.no_row_ranges(B, S), *poison, **_attributes(kw))
+            q, kv, idx, q_start, checks.no_row_ranges(B, S), *poison, **contract.ffi_attributes(**kw))
 
     return jax.jit(call)(q, kv, idx, _q_start(kw, B))
 
@@ -51,7 +46,7 @@ def backward(q, kv, idx, kw, out, lse, dout, dlse, *, deterministic):
         poison = (jnp.full(q.shape, jnp.nan, BF16), jnp.full(kv.shape, jnp.nan, jnp.float32))
         operands = contract.bwd_ffi_operands(q, kv, idx, q_start, checks.no_row_ranges(B, S), out, lse, dout, dlse)
         dq, dkv, _ = jax.ffi.ffi_call(contract.BWD_FFI_TEST_TARGET, out_types, input_output_aliases={9: 0, 10: 1})(
-            *operands, *poison, **_attributes(kw), deterministic=bool(deterministic))
+            *operands, *poison, **contract.ffi_attributes(**kw), deterministic=bool(deterministic))
         return dq, dkv
 
     return jax.jit(call)(q, kv, idx, _q_start(kw, B), out, lse, dout, dlse)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from inputs import INT32_MAX, INT32_MIN
 from jax_attn_dist.oracle import indexer_topk as topk_oracle
 
 FP8 = jnp.float8_e4m3fn
@@ -77,13 +78,6 @@ def widest_band(indices, logits, topk):
 # q_start at the int32 limits, malformed boundaries and raw row ranges
 # ----------------------------------------------------------------------------
 
-INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
-
-#: q_start values at the int32 limits (SPEC §9.2: the causal rule is exact for
-#: every int32 q_start): INT32_MIN, INT32_MIN + 3 (no key), INT32_MAX - 5 and
-#: INT32_MAX (every key for k_stride up to ~2^27; a few keys for larger).
-LIMIT_Q_STARTS = (INT32_MIN, INT32_MIN + 3, INT32_MAX - 5, INT32_MAX)
-
 
 def valid_counts(logits):
     """int [B?, S]: each row's number of valid keys (finite float64 logits)."""
@@ -128,12 +122,12 @@ def raw_range_logits(index_q, index_k, weights, kwargs, row_ranges):
     raw ``row_ranges`` [B, S, 3]: key n is valid for row s when
     ``clip(r0, 0, N) <= n < clip(r1, clip(r0, 0, N), N)`` (the clamp of SPEC
     §6, in int64), whatever ``causal``/``q_start_index`` say."""
+    from packed_kernel_cases import key_bounds
+
     kw = dict(kwargs, causal=False, q_start_index=0)
     logits = oracle_logits(index_q, index_k, weights, kw)
     N = logits.shape[-1]
-    r = np.asarray(row_ranges).astype(np.int64)
-    begin = np.clip(r[..., 0], 0, N)
-    end = np.clip(r[..., 1], begin, N)
+    begin, end = key_bounds(row_ranges, N)
     n = np.arange(N)
     valid = (n >= begin[..., None]) & (n < end[..., None])
     return np.where(valid, logits, -np.inf)
