@@ -125,7 +125,7 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
     sanitize-new)  # sparse_mla's forward kernel and the indexer_topk kernel
       for tool in memcheck racecheck synccheck; do
         for mode in sparse_mla indexer_topk; do
-          case $mode in sparse_mla) name=sparse_mla_fwd_kernel ;; *) name=indexer_topk_kernel ;; esac
+          case $mode in sparse_mla) name=sparse_mla_fwd_kernel ;; *) name=indexer_topk ;; esac  # both top-k kernels
           run "sanitize-$tool-$mode" compute-sanitizer --tool "$tool" --kernel-name "kns=$name" --error-exitcode 9 \
             python3 tests/support/sanitizer_run.py "$mode"
         done

@@ -12,7 +12,7 @@ shape (mla-v32-h128, ...):
 
 An indexer_topk shape (topk-v32, topk-v32-fp8, ...) runs the selection kernel:
 
-    ncu --kernel-name regex:indexer_topk_kernel ... python3 tools/profile_kernel.py topk-v32
+    ncu --kernel-name regex:indexer_topk ... python3 tools/profile_kernel.py topk-v32
 """
 
 import sys

@@ -24,14 +24,20 @@
 namespace attn_dist {
 namespace indexer_topk {
 
-// Two consumer warpgroups and one producer warpgroup, one CTA per SM. The
-// consumers take the key blocks of a chunk alternately (block j: warpgroup
-// j % 2), so that one's epilogue overlaps the other's WGMMAs, and each holds
-// two blocks' accumulators (its next block's WGMMAs run under its current
-// block's epilogue); afterwards consumer warpgroup r selects row r's keys.
+// Two consumer warpgroups and one producer warpgroup. The consumers take the
+// key blocks of a pair alternately (block j: warpgroup j % 2), so that one's
+// epilogue overlaps the other's WGMMAs, and each holds two blocks'
+// accumulators (its next block's WGMMAs run under its current block's
+// epilogue).
+//   Multi-pass kernel (any N; one CTA per pair): afterwards consumer
+//   warpgroup r selects row r's keys.
+//   Resident kernel (N <= kChunkKeys; one persistent CTA per SM): a fourth,
+//   selector warpgroup selects pair i's rows from one logits buffer while the
+//   consumers compute pair i + 1's into the other.
 constexpr int kRows = 2;                     // query rows per CTA (= consumer warpgroups)
 constexpr int kConsumers = kRows;
 constexpr int kThreads = (kConsumers + 1) * kWarpgroupThreads;
+constexpr int kResidentThreads = (kConsumers + 2) * kWarpgroupThreads;
 // setmaxnreg budgets within the launch allocation (65536 / 384 = 170, so 168
 // a thread): each consumer holds two 64 x 128 float accumulators (128
 // registers) and its weights (32); the producer issues TMA from one thread.
@@ -40,6 +46,15 @@ constexpr int kProducerRegs = 40;
 static_assert(register_budgets_fit(kThreads, 1, kConsumers * kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
                                    kProducerRegs),
               "setmaxnreg budgets exceed the CTA's register allocation");
+// The resident kernel's four warpgroups share 128 a thread: the consumers'
+// code needs 208 (its highest register is R207), the selector 72.
+constexpr int kResidentConsumerRegs = 208;
+constexpr int kResidentProducerRegs = 24;
+constexpr int kResidentSelectorRegs = 72;
+static_assert(2 * kWarpgroupThreads * kResidentConsumerRegs + kWarpgroupThreads * kResidentProducerRegs +
+                      kWarpgroupThreads * kResidentSelectorRegs <=
+                  65536,
+              "setmaxnreg budgets exceed the resident CTA's register allocation");
 constexpr int kBlockKeys = 64;               // keys per WGMMA block (the M of the WGMMA)
 // Keys whose logits a row holds in shared memory at once (a chunk). A row
 // pair whose keys span more runs several passes over its chunks (kernel.cuh).
@@ -51,7 +66,7 @@ constexpr int kHistBins = 1 << kHistBits;
 // Named barriers (0 is __syncthreads, used only at set-up).
 constexpr int kBarConsumers = 1;             // both consumer warpgroups
 constexpr int kBarPass = 2;                  // consumers arrive, the producer warp syncs: the next pass's kind
-constexpr int kBarRow0 = 3;                  // + r: consumer warpgroup r alone
+constexpr int kBarRow0 = 3;                  // + r: consumer warpgroup r alone (resident: the selector, r = 0)
 
 // The index_q/index_k element types the kernel reads. A dim tile is one
 // 128-byte swizzle row: 64 bf16 or 128 float8 dims.
@@ -61,9 +76,12 @@ constexpr int kTileDims = 128 / int(sizeof(Elem));
 
 // DI: indexer head dim. HT: heads per query row in the WGMMA (the variant's
 // HI). Elem: bf16, or fp8 (e4m3, products accumulated by the tensor cores).
-template <int DI_, int HT_, class Elem_>
+// Resident: the persistent kernel's plan (two logits buffers, the selector's
+// one histogram), else the multi-pass kernel's.
+template <int DI_, int HT_, class Elem_, bool kResident_ = false>
 struct Config {
   using Elem = Elem_;
+  static constexpr bool kResident = kResident_;
   static constexpr int DI = DI_;
   static constexpr int HT = HT_;
   static constexpr int kTile = kTileDims<Elem>;
@@ -74,17 +92,23 @@ struct Config {
 
   // Q: the two rows' heads (row-major (row, head)), all DI dims, K-major with
   // the 128-byte swizzle, one (kMmaN x kTile) tile per dim tile. Written by TMA.
+  // Resident: two Q buffers (pair parity), so that a pair's Q lands while
+  // the consumers finish the previous pair.
+  static constexpr int kQBuffers = kResident ? 2 : 1;
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Elem>{},
-      cute::Shape<cute::Int<kMmaN>, cute::Int<kTile>, cute::Int<kDimTiles>>{}));
+      cute::Shape<cute::Int<kMmaN>, cute::Int<kTile>, cute::Int<kQBuffers * kDimTiles>>{}));
   static constexpr int kQTileBytes = kMmaN * 128;
-  static constexpr int kQBytes = kQTileBytes * kDimTiles;
+  static constexpr int kQBytes = kQTileBytes * kDimTiles;  // one buffer
 
   // A stage is one block: 64 keys x DI dims, as kDimTiles (64 x kTile) tiles.
   static constexpr int kKeyTileBytes = kBlockKeys * 128;
   static constexpr int kStageBytes = kKeyTileBytes * kDimTiles;
   static constexpr int kLogitRowWords = kChunkKeys + kLogitPad;
-  static constexpr int kFixedBytes = kQBytes + kRows * kLogitRowWords * 4 + kRows * kHistBins * 4 + 1024;
+  static constexpr int kLogitBuffers = kResident ? 2 : 1;
+  static constexpr int kHistRows = kResident ? 1 : kRows;  // the selector takes its rows one at a time
+  static constexpr int kFixedBytes =
+      kQBuffers * kQBytes + kLogitBuffers * kRows * kLogitRowWords * 4 + kHistRows * kHistBins * 4 + 1024;
   // An even number of stages: block j goes to stage j % kStages and to
   // warpgroup j % 2, so each stage is only ever read by one warpgroup, which
   // has itself waited for the stage's previous use before it waits for the
@@ -103,17 +127,21 @@ struct Config {
                                        cute::Shape<cute::Int<kBlockKeys>, cute::Int<kMmaN>, cute::Int<kTile>>,
                                        cute::GMMA::Major::K, cute::GMMA::Major::K>()));
 
+  using Logits = uint32_t[kRows][kLogitRowWords];  // order keys (select.cuh) of the chunk's keys, per row
   struct SharedMemoryPlan {
     alignas(kSmemAlign) Elem q[cute::cosize_v<SmemLayoutQ>];
     alignas(kSmemAlign) Elem k[cute::cosize_v<SmemLayoutK>];
-    uint32_t logits[kRows][kLogitRowWords];  // order keys (select.cuh) of the chunk's keys, per row
-    uint32_t hist[kRows][kHistBins];         // each row's radix histogram
-    uint64_t full[kStages];                  // a stage's TMA landed (one arrival + transaction bytes)
-    uint64_t empty[kStages];                 // the 4 warps of the consuming warpgroup read it
-    uint64_t q_ready;
-    uint32_t warp_sums[kRows][2][4][2];      // per row: two buffers of each warp's pair of counts
-    uint32_t found[kRows][3];                // per row: a radix round's bin, count above it, count in it
-    int next_pass_emits;                     // multi-pass: the next pass writes the output
+    Logits logits[kLogitBuffers];             // resident: pair parity (counted over the CTA's selecting pairs)
+    uint32_t hist[kHistRows][kHistBins];      // a row's radix histogram
+    uint64_t full[kStages];                   // a stage's TMA landed (one arrival + transaction bytes)
+    uint64_t empty[kStages];                  // the 4 warps of the consuming warpgroup read it
+    uint64_t q_ready[kQBuffers];              // a Q buffer landed
+    uint64_t q_free[kQBuffers];               // resident: both consumers' WGMMAs of its pair done (8 warps)
+    uint64_t logits_full[kLogitBuffers];      // resident: a buffer's logits stored (the 256 consumer threads)
+    uint64_t logits_free[kLogitBuffers];      // resident: the selector is done with a buffer (one arrival)
+    uint32_t warp_sums[kHistRows][2][4][2];   // per row: two buffers of each warp's pair of counts
+    uint32_t found[kHistRows][3];             // per row: a radix round's bin, count above it, count in it
+    int next_pass_emits;                      // multi-pass: the next pass writes the output
     int row_done[kRows];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment

@@ -21,7 +21,9 @@
 // pass's end whether the next one writes (kBarPass).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -60,12 +62,14 @@ struct CtaProblem {
 };
 
 // Row pairs run from the end of the sequence (the longest causal rows) down,
-// the batch elements interleaved, so that the long rows start first.
-__device__ __forceinline__ CtaProblem locate_cta(const IndexerTopkParams& p) {
+// the batch elements interleaved, so that the long rows start first: pair
+// `linear` of the order.
+__device__ __forceinline__ int num_pairs(const IndexerTopkParams& p) { return p.batch * ((p.s_q + 1) / 2); }
+__device__ __forceinline__ CtaProblem locate_pair(const IndexerTopkParams& p, int linear) {
   CtaProblem c;
   const int pairs = (p.s_q + 1) / 2;
-  c.batch = int(blockIdx.x % uint32_t(p.batch));
-  c.s0 = 2 * (pairs - 1 - int(blockIdx.x / uint32_t(p.batch)));
+  c.batch = int(uint32_t(linear) % uint32_t(p.batch));
+  c.s0 = 2 * (pairs - 1 - int(uint32_t(linear) / uint32_t(p.batch)));
   c.any_select = false;
   c.begin = 0xFFFFFFFFu;
   c.end = 0u;
@@ -95,6 +99,31 @@ __device__ __forceinline__ void consumers_sync() {
 }
 constexpr int kPassThreads = kConsumers * kWarpgroupThreads + 32;  // + the producer warp
 
+// The pair's Q (both rows' heads, every dim tile) into Q buffer qb.
+template <class Cfg>
+__device__ __forceinline__ void load_q(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma, const CtaProblem& c,
+                                       int qb) {
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.q_ready[qb], uint32_t(Cfg::kQBytes));
+  for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
+    SM90_TMA_LOAD_4D::copy(&tma.q, &plan.q_ready[qb], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                           plan.q + (qb * Cfg::kDimTiles + dt) * Cfg::kMmaN * Cfg::kTile, dt * Cfg::kTile, 0, c.s0,
+                           c.batch);
+}
+
+// Block j (keys key0 .. key0 + 63; keys past N are zero-filled) into stage
+// j % kStages, once the consumer has freed it.
+template <class Cfg>
+__device__ __forceinline__ void load_block(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
+                                           const CtaProblem& c, int key0, int j) {
+  const int stage = j % Cfg::kStages;
+  cutlass::arch::ClusterBarrier::wait(&plan.empty[stage], uint32_t((j / Cfg::kStages) & 1) ^ 1u);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.full[stage], uint32_t(Cfg::kStageBytes));
+  for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
+    SM90_TMA_LOAD_3D::copy(&tma.k, &plan.full[stage], uint64_t(TMA::CacheHintSm90::EVICT_LAST),
+                           plan.k + (stage * Cfg::kDimTiles + dt) * kBlockKeys * Cfg::kTile, dt * Cfg::kTile, key0,
+                           c.batch);
+}
+
 // ---------------------------------------------------------------------------
 // Producer (warp 0 of WG2; lane 0 issues).
 // ---------------------------------------------------------------------------
@@ -105,28 +134,15 @@ __device__ __forceinline__ void produce(typename Cfg::SharedMemoryPlan& plan, co
   if (lane == 0) {
     cute::prefetch_tma_descriptor(&tma.q);
     cute::prefetch_tma_descriptor(&tma.k);
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.q_ready, uint32_t(Cfg::kQBytes));
-    for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
-      SM90_TMA_LOAD_4D::copy(&tma.q, &plan.q_ready, uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                             plan.q + dt * Cfg::kMmaN * Cfg::kTile, dt * Cfg::kTile, 0, c.s0, c.batch);
+    load_q<Cfg>(plan, tma, c, 0);
   }
   int j = 0;  // blocks streamed so far (stage j % kStages, its use j / kStages)
   bool emits = c.num_chunks == 1;
   for (;;) {
     for (int ch = 0; ch < c.num_chunks; ++ch) {
       const int blocks = c.chunk_blocks(ch);
-      if (lane == 0) {
-        for (int blk = 0; blk < blocks; ++blk, ++j) {
-          const int stage = j % Cfg::kStages;
-          cutlass::arch::ClusterBarrier::wait(&plan.empty[stage], uint32_t((j / Cfg::kStages) & 1) ^ 1u);
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.full[stage], uint32_t(Cfg::kStageBytes));
-          const int key0 = int(c.chunk_begin(ch)) + blk * kBlockKeys;  // keys past N are zero-filled
-          for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
-            SM90_TMA_LOAD_3D::copy(&tma.k, &plan.full[stage], uint64_t(TMA::CacheHintSm90::EVICT_LAST),
-                                   plan.k + (stage * Cfg::kDimTiles + dt) * kBlockKeys * Cfg::kTile, dt * Cfg::kTile,
-                                   key0, c.batch);
-        }
-      }
+      if (lane == 0)
+        for (int blk = 0; blk < blocks; ++blk, ++j) load_block<Cfg>(plan, tma, c, int(c.chunk_begin(ch)) + blk * kBlockKeys, j);
     }
     if (emits) break;
     __syncwarp();
@@ -213,7 +229,7 @@ __device__ __forceinline__ KeyScales load_key_scales(const IndexerTopkParams& p,
 // which its wait counts rely on).
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void issue_block(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
-                                            const FragB& tB, Acc& acc, int j) {
+                                            const FragB& tB, Acc& acc, int j, int q_buffer) {
   const int stage = j % Cfg::kStages;
   cutlass::arch::ClusterTransactionBarrier::wait(&plan.full[stage], uint32_t((j / Cfg::kStages) & 1));
   warpgroup_fence_operand(acc);
@@ -223,7 +239,7 @@ __device__ __forceinline__ void issue_block(typename Cfg::SharedMemoryPlan& plan
   for (int dt = 0; dt < Cfg::kDimTiles; ++dt) {
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tA); ++kb) {
-      cute::gemm(mma, tA(_, _, kb, stage * Cfg::kDimTiles + dt), tB(_, _, kb, dt), acc);
+      cute::gemm(mma, tA(_, _, kb, stage * Cfg::kDimTiles + dt), tB(_, _, kb, q_buffer * Cfg::kDimTiles + dt), acc);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
   }
@@ -239,13 +255,24 @@ struct FirstDigit {
   uint32_t span[kRows] = {};  // 0: the row needs no selection
 };
 
+// Where a warpgroup's blocks of a chunk go: the logits buffer, the
+// first-digit count, and (resident kernel) the barrier that frees Q once the
+// warpgroup's last WGMMAs of the pair are done.
+template <class Cfg>
+struct LogitsSink {
+  typename Cfg::Logits* logits;
+  FirstDigit fd;
+  int q_buffer = 0;
+  uint64_t* q_free = nullptr;
+};
+
 // The logits of block j, whose WGMMAs have completed into acc: the stage
 // released, then each (key, row) sum reduced over its quad and stored by one
 // lane (and counted in the row's first-digit histogram, where fd.on).
 template <class Cfg, class Acc>
 __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
                                              const ColumnWeights<Cfg>& weights, const KeyScales& k, int j, int slot,
-                                             int t, const FirstDigit& fd) {
+                                             int t, const LogitsSink<Cfg>& sink) {
   const int warp = t / 32, lane = t % 32, quad = lane % 4;
   if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[j % Cfg::kStages]);
 
@@ -273,7 +300,8 @@ __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& pla
   const int m = 16 * warp + lane / 4 + 8 * rh;
   const uint32_t u = order_key(sum * (rh ? k.ks[1] : k.ks[0]));
   const int pos = slot * kBlockKeys + m;
-  plan.logits[row][pos] = u;
+  (*sink.logits)[row][pos] = u;
+  const FirstDigit& fd = sink.fd;
   if (fd.on) {
     // (selects, not a runtime index into fd: that would put it in local memory)
     const uint32_t first = row ? fd.first[1] : fd.first[0], span = row ? fd.span[1] : fd.span[0];
@@ -290,24 +318,25 @@ template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                            const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
                                            Acc& cur, Acc& next, const ColumnWeights<Cfg>& weights, int j0, int ch,
-                                           int blk, int t, const FirstDigit& fd) {
+                                           int blk, int t, const LogitsSink<Cfg>& sink) {
   const KeyScales k = load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), t);
-  issue_block<Cfg>(plan, mma, tA, tB, next, j0 + blk + kConsumers);
+  issue_block<Cfg>(plan, mma, tA, tB, next, j0 + blk + kConsumers, sink.q_buffer);
   warpgroup_commit_batch();
   warpgroup_wait<1>();  // blk's group has completed
   warpgroup_fence_operand(cur);
-  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t, fd);
+  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t, sink);
 }
 
 // The warpgroup's last block of a chunk: nothing behind it.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                            const CtaProblem& c, Acc& cur, const ColumnWeights<Cfg>& weights, int j0,
-                                           int ch, int blk, int t, const FirstDigit& fd) {
+                                           int ch, int blk, int t, const LogitsSink<Cfg>& sink) {
   const KeyScales k = load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), t);
   warpgroup_wait<0>();
   warpgroup_fence_operand(cur);
-  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t, fd);
+  if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
+  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t, sink);
 }
 
 // A warpgroup's blocks of chunk ch (block j0 + blk is this warpgroup's
@@ -318,18 +347,21 @@ template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                              const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
                                              Acc& acc0, Acc& acc1, const ColumnWeights<Cfg>& weights, int j0, int ch,
-                                             int wg, int t, const FirstDigit& fd = {}) {
+                                             int wg, int t, const LogitsSink<Cfg>& sink) {
   const int blocks = c.chunk_blocks(ch);
   int blk = (wg + j0) & 1;
-  if (blk >= blocks) return;
-  issue_block<Cfg>(plan, mma, tA, tB, acc0, j0 + blk);
+  if (blk >= blocks) {
+    if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
+    return;
+  }
+  issue_block<Cfg>(plan, mma, tA, tB, acc0, j0 + blk, sink.q_buffer);
   warpgroup_commit_batch();
   for (;;) {
-    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc0, weights, j0, ch, blk, t, fd);
-    block_step<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, blk, t, fd);
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc0, weights, j0, ch, blk, t, sink);
+    block_step<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, blk, t, sink);
     blk += kConsumers;
-    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc1, weights, j0, ch, blk, t, fd);
-    block_step<Cfg>(plan, p, c, mma, tA, tB, acc1, acc0, weights, j0, ch, blk, t, fd);
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc1, weights, j0, ch, blk, t, sink);
+    block_step<Cfg>(plan, p, c, mma, tA, tB, acc1, acc0, weights, j0, ch, blk, t, sink);
     blk += kConsumers;
   }
 }
@@ -355,10 +387,10 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
   Tensor acc1 = partition_fragment_C(mma, Shape<Int<kBlockKeys>, Int<Cfg::kMmaN>>{});
   ColumnWeights<Cfg> weights;
   weights.load(p, c, lane);
-  cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready, 0);
+  cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready[0], 0);
 
   int j0 = 0;  // blocks of earlier chunks and passes (both warpgroups count alike)
-  const uint32_t* u = plan.logits[wg];
+  const uint32_t* u = plan.logits[0][wg];
 
   if (c.num_chunks == 1) {
     // Both warpgroups count both rows' first digits: every histogram cleared first.
@@ -370,7 +402,7 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
       fd.span[r] = c.rows[r].select ? c.rows[r].span : 0u;
     }
     consumers_sync();
-    chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, 0, wg, t, fd);
+    chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, 0, wg, t, LogitsSink<Cfg>{&plan.logits[0], fd});
     consumers_sync();  // both rows' logits stored and counted
     if (!me.select) return;
     const int a = int(me.begin - c.begin), e = a + int(me.span);
@@ -391,7 +423,7 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
   bool emits = false;
   for (;;) {
     for (int ch = 0; ch < c.num_chunks; ++ch) {
-      chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, wg, t);
+      chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, wg, t, LogitsSink<Cfg>{&plan.logits[0], {}});
       j0 += c.chunk_blocks(ch);  // blocks of earlier chunks and passes (both warpgroups count alike)
       consumers_sync();          // both rows' logits of the chunk stored
       const uint32_t cb = c.chunk_begin(ch), ce = cb + uint32_t(c.chunk_keys(ch));
@@ -414,6 +446,156 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
 }
 
 // ---------------------------------------------------------------------------
+// The resident kernel (N <= kChunkKeys): one CTA per SM walks its pairs; the
+// selector warpgroup selects a pair's rows while the consumers compute the
+// next pair's logits. Every role walks the same pairs and counts the
+// selecting ones (`used`) alike: selecting pair number `used` writes logits
+// buffer used % 2, and Q's and each buffer's barrier phases follow from it.
+// ---------------------------------------------------------------------------
+
+// The CTA's pairs: round r takes pair r * G + b, or r * G + (G - 1 - b) in odd
+// rounds, so that each CTA's pairs sum to about the same work (the pairs
+// shorten along the order).
+struct ResidentWalk {
+  int round = 0;
+  __device__ __forceinline__ int pair() const {
+    const int g = int(gridDim.x), b = int(blockIdx.x);
+    return round * g + ((round & 1) ? g - 1 - b : b);
+  }
+};
+
+template <class Cfg>
+__device__ __forceinline__ void produce_resident(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                                 const TmaParams& tma) {
+  const int pairs = num_pairs(p);
+  int used = 0, j = 0;
+  for (ResidentWalk w; w.pair() < pairs; ++w.round) {
+    const CtaProblem c = locate_pair(p, w.pair());
+    if (!c.any_select) continue;
+    if (used == 0) {  // (with N = 0 no pair selects, and the key map was never encoded)
+      cute::prefetch_tma_descriptor(&tma.q);
+      cute::prefetch_tma_descriptor(&tma.k);
+    }
+    // The pair's Q once both consumers' WGMMAs of the pair two before are done.
+    const int qb = used & 1;
+    cutlass::arch::ClusterBarrier::wait(&plan.q_free[qb], uint32_t((used >> 1) & 1) ^ 1u);
+    load_q<Cfg>(plan, tma, c, qb);
+    const int blocks = c.chunk_blocks(0);
+    for (int blk = 0; blk < blocks; ++blk, ++j) load_block<Cfg>(plan, tma, c, int(c.begin) + blk * kBlockKeys, j);
+    ++used;
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void consume_resident(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                                 int wg, int t) {
+  const int lane = t % 32;
+  typename Cfg::TiledMma mma;
+  auto thr_mma = mma.get_slice(t);
+  Tensor sQ = make_tensor(make_smem_ptr(plan.q), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(plan.k), typename Cfg::SmemLayoutK{});
+  Tensor tA = thr_mma.partition_fragment_A(sK);
+  Tensor tB = thr_mma.partition_fragment_B(sQ);
+  Tensor acc0 = partition_fragment_C(mma, Shape<Int<kBlockKeys>, Int<Cfg::kMmaN>>{});
+  Tensor acc1 = partition_fragment_C(mma, Shape<Int<kBlockKeys>, Int<Cfg::kMmaN>>{});
+  const int pairs = num_pairs(p);
+  int used = 0, j0 = 0;
+  for (ResidentWalk w; w.pair() < pairs; ++w.round) {
+    const CtaProblem c = locate_pair(p, w.pair());
+    if (!c.any_select) continue;
+    ColumnWeights<Cfg> weights;
+    weights.load(p, c, lane);
+    const int b = used & 1;
+    cutlass::arch::ClusterBarrier::wait(&plan.logits_free[b], uint32_t((used >> 1) & 1) ^ 1u);
+    cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready[b], uint32_t((used >> 1) & 1));
+    chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, 0, wg, t,
+                      LogitsSink<Cfg>{&plan.logits[b], {}, b, &plan.q_free[b]});
+    j0 += c.chunk_blocks(0);
+    cutlass::arch::ClusterBarrier::arrive(&plan.logits_full[b]);  // this thread's logits stored
+    ++used;
+  }
+}
+
+// The selector warpgroup: every row's output (rows with at most topk keys
+// written directly), selecting rows from their pair's logits buffer.
+template <class Cfg>
+__device__ __forceinline__ void select_resident(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                                int t) {
+  for (int i = t; i < kHistBins; i += kWarpgroupThreads) plan.hist[0][i] = 0u;
+  row_sync(0);
+  const int pairs = num_pairs(p);
+  int used = 0;
+  for (ResidentWalk w; w.pair() < pairs; ++w.round) {
+    const CtaProblem c = locate_pair(p, w.pair());
+    for (int r = 0; r < kRows; ++r) {
+      const RowInfo& ri = c.rows[r];
+      if (ri.present && !ri.select) write_all_keys(p.indices + ri.row * p.topk, ri.begin, ri.span, p.topk, t);
+    }
+    if (!c.any_select) continue;
+    const int b = used & 1;
+    cutlass::arch::ClusterBarrier::wait(&plan.logits_full[b], uint32_t((used >> 1) & 1));
+    for (int r = 0; r < kRows; ++r) {
+      const RowInfo ri = r == 0 ? c.rows[0] : c.rows[1];  // (a select: a runtime index would put c in local memory)
+      if (!ri.select) continue;
+      const uint32_t* u = plan.logits[b][r];
+      const int a = int(ri.begin - c.begin), e = a + int(ri.span);
+      RowSelect s = RowSelect::first_round(uint32_t(p.topk), ri.span);
+      while (!s.done()) {
+        hist_add(plan.hist[0], u, a, e, s, t);
+        hist_resolve(plan, s, 0, t);
+      }
+      EmitCursor cur;
+      emit_keys(plan, u, a, e, c.begin, s, cur, p.indices + ri.row * p.topk, p.topk, 0, t);
+    }
+    row_sync(0);  // every read of the buffer done
+    if (t == 0) cutlass::arch::ClusterBarrier::arrive(&plan.logits_free[b]);
+    ++used;
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(kResidentThreads, 1)
+    indexer_topk_resident_kernel(const __grid_constant__ IndexerTopkParams params,
+                                 const __grid_constant__ TmaParams tma) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(Cfg::kResident, "the resident kernel takes the resident plan");
+  extern __shared__ char smem_raw[];
+  using Plan = typename Cfg::SharedMemoryPlan;
+  Plan& plan = aligned_plan<Plan>(smem_raw);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Cfg::kStages; ++i) {
+      cutlass::arch::ClusterBarrier::init(&plan.full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&plan.empty[i], 4);  // the consuming warpgroup's warps
+    }
+    for (int i = 0; i < Cfg::kQBuffers; ++i) {
+      cutlass::arch::ClusterBarrier::init(&plan.q_ready[i], 1);
+      cutlass::arch::ClusterBarrier::init(&plan.q_free[i], kConsumers * 4);  // every consumer warp
+    }
+    for (int i = 0; i < Cfg::kLogitBuffers; ++i) {
+      cutlass::arch::ClusterBarrier::init(&plan.logits_full[i], kConsumers * kWarpgroupThreads);
+      cutlass::arch::ClusterBarrier::init(&plan.logits_free[i], 1);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const int wg = int(threadIdx.x) / kWarpgroupThreads;
+  const int t = int(threadIdx.x) % kWarpgroupThreads;
+  if (wg == kConsumers) {
+    cutlass::arch::warpgroup_reg_dealloc<kResidentProducerRegs>();
+    if (t == 0) produce_resident<Cfg>(plan, params, tma);
+  } else if (wg == kConsumers + 1) {
+    cutlass::arch::warpgroup_reg_dealloc<kResidentSelectorRegs>();
+    select_resident<Cfg>(plan, params, t);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kResidentConsumerRegs>();
+    consume_resident<Cfg>(plan, params, wg, t);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without WGMMA: fail loudly rather than leave the output unwritten
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // The kernel.
 // ---------------------------------------------------------------------------
 template <class Cfg>
@@ -428,11 +610,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       cutlass::arch::ClusterBarrier::init(&plan.full[i], 1);
       cutlass::arch::ClusterBarrier::init(&plan.empty[i], 4);  // the consuming warpgroup's warps
     }
-    cutlass::arch::ClusterBarrier::init(&plan.q_ready, 1);
+    cutlass::arch::ClusterBarrier::init(&plan.q_ready[0], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  const CtaProblem cta = locate_cta(params);
+  const CtaProblem cta = locate_pair(params, int(blockIdx.x));
   const int wg = int(threadIdx.x) / kWarpgroupThreads;
   const int t = int(threadIdx.x) % kWarpgroupThreads;
   if (wg == kConsumers) {
@@ -477,8 +659,19 @@ LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const 
       return LaunchStatus::kTensorMapError;
     }
   }
-  const int64_t grid = int64_t(p.batch) * ((int64_t(p.s_q) + 1) / 2);
-  return launch_kernel(&indexer_topk_kernel<Cfg>, grid, kThreads, Cfg::kSmemBytes, stream, detail, p, tma);
+  const int64_t pairs = int64_t(p.batch) * ((int64_t(p.s_q) + 1) / 2);
+  if constexpr (std::is_same_v<typename Cfg::Elem, fp8>) {
+    // Every pair's keys fit one chunk: one resident CTA per SM, selecting
+    // beside the next pair's logits (the float8 plan has room for two
+    // logits buffers; bf16's larger Q and key tiles leave none).
+    if (p.s_kv <= kChunkKeys) {
+      using Resident = Config<Cfg::DI, Cfg::HT, fp8, true>;
+      const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(pairs, device_sm_count()));
+      return launch_kernel(&indexer_topk_resident_kernel<Resident>, ctas, kResidentThreads, Resident::kSmemBytes,
+                           stream, detail, p, tma);
+    }
+  }
+  return launch_kernel(&indexer_topk_kernel<Cfg>, pairs, kThreads, Cfg::kSmemBytes, stream, detail, p, tma);
 }
 
 }  // namespace indexer_topk

@@ -14,7 +14,7 @@ using bf16 = cutlass::bfloat16_t;
 namespace indexer_topk {
 
 // config.h and kernel.cuh define these; the launcher needs only their names.
-template <int DI, int HT, class Elem>
+template <int DI, int HT, class Elem, bool kResident = false>
 struct Config;
 using fp8 = cutlass::float_e4m3_t;
 template <class Cfg>

@@ -98,8 +98,12 @@ CASES = [
 ] + LIMIT_CASES + SHORT_ROW_CASES
 
 # float8 inputs (with index_k_scale): one chunk, batch, and several chunks.
+# Where N fits one chunk the float8 kernel is resident (one CTA per SM over
+# its pairs): the 1500-row batches give each CTA about eleven pairs, selecting
+# and not (the first q_start's early rows see no key or fewer than topk).
 FP8_CASES = [
     Case(S=300, N=5000, topk=2048),
+    Case(S=1500, N=6000, topk=512, B=2, q_start=(-700, 100)),
     Case(S=128, N=3000, topk=64, B=2, per_batch_q_start=True),
     Case(S=33, N=2047, topk=2048, causal=False),
     Case(S=24, N=20000, topk=2048, causal=False),

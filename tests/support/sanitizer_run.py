@@ -7,7 +7,7 @@
     compute-sanitizer --tool memcheck python tests/support/sanitizer_run.py packed
     compute-sanitizer --tool memcheck --padding 1048576 python tests/support/sanitizer_run.py ranges
     compute-sanitizer --tool racecheck --kernel-name kns=sparse_mla_fwd_kernel python tests/support/sanitizer_run.py sparse_mla
-    compute-sanitizer --tool synccheck --kernel-name kns=indexer_topk_kernel python tests/support/sanitizer_run.py indexer_topk
+    compute-sanitizer --tool synccheck --kernel-name kns=indexer_topk python tests/support/sanitizer_run.py indexer_topk
     compute-sanitizer --tool memcheck python tests/support/sanitizer_run.py sparse_mla_bwd
 
 attn_dist: partial T, partial H, both head tiles, both D, batched, all-invalid.
@@ -37,7 +37,8 @@ topk_length, checked against the float64 oracle. indexer_topk: the kernel
 8192-key chunk per row: the multi-pass path) and N 300 causal with per-batch
 q_start (rows with no key, rows with fewer keys than topk), topk 64 and
 2048, and packed calls (a sequence of more than 8192 keys, padding rows),
-and the float8 variant on one chunk and several, each row checked under
+and the float8 variant on one chunk and several, and on 300 pairs (the
+resident kernel, several pairs per CTA), each row checked under
 SPEC 9.3's rule. sparse_mla_bwd: the backward's
 kernels (row terms, main, and the deterministic mode's bound and
 conversion) on adversarial indices, rows with no valid slot and partial
@@ -259,6 +260,15 @@ def indexer_topk_checks():
             indexer_topk_call(topk, iq, ik, w, kw, cu_seqlens_q=jnp.asarray([0, 3, 4, 7], jnp.int32),
                               cu_seqlens_k=jnp.asarray([0, 100, 200, 9000], jnp.int32))
         checks.append(Named(f"indexer_topk-packed-c{int(causal)}-k{topk}", packed))
+
+    def resident_rounds():
+        # float8 with N in one chunk runs the resident kernel: 300 pairs, more than one per SM, the first
+        # element's early pairs with no selecting row
+        iq, ik, w, kw = topk_inputs.make_topk_inputs(
+            seed_of("sanitize-topk-resident"), B=2, S=300, HI=HI, DI=DI, N=2000, causal=True,
+            dtype=topk_inputs.FP8, q_start_index=np.asarray([-100, 500], np.int32))
+        indexer_topk_call(64, iq, ik, w, kw)
+    checks.append(Named("indexer_topk-fp8-resident-b2-s300-n2000-k64", resident_rounds))
     return checks
 
 
