@@ -21,7 +21,6 @@
 // pass's end whether the next one writes (kBarPass).
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -458,8 +457,9 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
 // shorten along the order).
 struct ResidentWalk {
   int round = 0;
-  __device__ __forceinline__ int pair() const {
-    const int g = int(gridDim.x), b = int(blockIdx.x);
+  // (64-bit: past the last round it may pass INT32_MAX where the pairs come near it)
+  __device__ __forceinline__ int64_t pair() const {
+    const int64_t g = gridDim.x, b = blockIdx.x;
     return round * g + ((round & 1) ? g - 1 - b : b);
   }
 };
@@ -470,7 +470,7 @@ __device__ __forceinline__ void produce_resident(typename Cfg::SharedMemoryPlan&
   const int pairs = num_pairs(p);
   int used = 0, j = 0;
   for (ResidentWalk w; w.pair() < pairs; ++w.round) {
-    const CtaProblem c = locate_pair(p, w.pair());
+    const CtaProblem c = locate_pair(p, int(w.pair()));
     if (!c.any_select) continue;
     if (used == 0) {  // (with N = 0 no pair selects, and the key map was never encoded)
       cute::prefetch_tma_descriptor(&tma.q);
@@ -501,7 +501,7 @@ __device__ __forceinline__ void consume_resident(typename Cfg::SharedMemoryPlan&
   const int pairs = num_pairs(p);
   int used = 0, j0 = 0;
   for (ResidentWalk w; w.pair() < pairs; ++w.round) {
-    const CtaProblem c = locate_pair(p, w.pair());
+    const CtaProblem c = locate_pair(p, int(w.pair()));
     if (!c.any_select) continue;
     ColumnWeights<Cfg> weights;
     weights.load(p, c, lane);
@@ -526,7 +526,7 @@ __device__ __forceinline__ void select_resident(typename Cfg::SharedMemoryPlan& 
   const int pairs = num_pairs(p);
   int used = 0;
   for (ResidentWalk w; w.pair() < pairs; ++w.round) {
-    const CtaProblem c = locate_pair(p, w.pair());
+    const CtaProblem c = locate_pair(p, int(w.pair()));
     for (int r = 0; r < kRows; ++r) {
       const RowInfo& ri = c.rows[r];
       if (ri.present && !ri.select) write_all_keys(p.indices + ri.row * p.topk, ri.begin, ri.span, p.topk, t);
@@ -661,14 +661,16 @@ LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const 
   }
   const int64_t pairs = int64_t(p.batch) * ((int64_t(p.s_q) + 1) / 2);
   if constexpr (std::is_same_v<typename Cfg::Elem, fp8>) {
-    // Every pair's keys fit one chunk: one resident CTA per SM, selecting
-    // beside the next pair's logits (the float8 plan has room for two
-    // logits buffers; bf16's larger Q and key tiles leave none).
-    if (p.s_kv <= kChunkKeys) {
+    // Every pair's keys fit one chunk and some SM gets more than one pair:
+    // one resident CTA per SM, selecting beside the next pair's logits (the
+    // float8 plan has room for two logits buffers; bf16's larger Q and key
+    // tiles leave none). With a pair per SM there is nothing to overlap; the
+    // multi-pass kernel selects a pair's two rows side by side.
+    const int sms = device_sm_count();  // 0 if the query failed: the multi-pass kernel
+    if (p.s_kv <= kChunkKeys && sms > 0 && pairs > sms) {
       using Resident = Config<Cfg::DI, Cfg::HT, fp8, true>;
-      const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(pairs, device_sm_count()));
-      return launch_kernel(&indexer_topk_resident_kernel<Resident>, ctas, kResidentThreads, Resident::kSmemBytes,
-                           stream, detail, p, tma);
+      return launch_kernel(&indexer_topk_resident_kernel<Resident>, int64_t(sms), kResidentThreads,
+                           Resident::kSmemBytes, stream, detail, p, tma);
     }
   }
   return launch_kernel(&indexer_topk_kernel<Cfg>, pairs, kThreads, Cfg::kSmemBytes, stream, detail, p, tma);

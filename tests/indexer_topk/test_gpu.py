@@ -98,9 +98,11 @@ CASES = [
 ] + LIMIT_CASES + SHORT_ROW_CASES
 
 # float8 inputs (with index_k_scale): one chunk, batch, and several chunks.
-# Where N fits one chunk the float8 kernel is resident (one CTA per SM over
-# its pairs): the 1500-row batches give each CTA about eleven pairs, selecting
-# and not (the first q_start's early rows see no key or fewer than topk).
+# Where N fits one chunk and the row pairs outnumber the SMs, the float8
+# kernel is resident (one CTA per SM over its pairs): the 1500-row batches
+# give each CTA about eleven pairs, selecting and not (the first q_start's
+# early rows see no key or fewer than topk); S = 300 about one and a bit; the
+# smaller cases run the multi-pass kernel.
 FP8_CASES = [
     Case(S=300, N=5000, topk=2048),
     Case(S=1500, N=6000, topk=512, B=2, q_start=(-700, 100)),
