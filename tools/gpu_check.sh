@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
 #   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [bench-new] [sanitize] [sanitize-det] [sanitize-packed] [sanitize-new] [sanitize-bwd] [timeline] [ncu] [sass]
-# Logs and JSON go to $OUT (default /tmp/gpu_check). Needs the nvidia-cutlass
+# Logs and JSON go to $OUT (default /tmp/gpu_check), and all of them again in
+# $OUT/0_gpu_check.tgz at the end. Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
 #
 # GPU test steps run with JAX_ATTN_DIST_REQUIRE_GPU set (1, or 2 for
@@ -159,4 +160,7 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
   esac
 done
 echo "== summary"; printf '%s\n' "${status[@]}"
+# The device lends back at most 8 files of $OUT (they come back in name
+# order): every log and result in one archive whose name sorts first.
+tar -czf "/tmp/0_gpu_check_$$.tgz" -C "$OUT" --exclude '0_gpu_check.tgz' . && mv "/tmp/0_gpu_check_$$.tgz" "$OUT/0_gpu_check.tgz"
 exit $failed
