@@ -98,6 +98,17 @@ __device__ __forceinline__ void consumers_sync() {
 }
 constexpr int kPassThreads = kConsumers * kWarpgroupThreads + 32;  // + the producer warp
 
+// Thread 0, before the CTA's first barrier: the key ring's barriers and each
+// Q buffer's landing barrier (the barriers both kernels share).
+template <class Cfg>
+__device__ __forceinline__ void init_ring_and_q(typename Cfg::SharedMemoryPlan& plan) {
+  for (int i = 0; i < Cfg::kStages; ++i) {
+    cutlass::arch::ClusterBarrier::init(&plan.full[i], 1);
+    cutlass::arch::ClusterBarrier::init(&plan.empty[i], 4);  // the consuming warpgroup's warps
+  }
+  for (int i = 0; i < Cfg::kQBuffers; ++i) cutlass::arch::ClusterBarrier::init(&plan.q_ready[i], 1);
+}
+
 // The pair's Q (both rows' heads, every dim tile) into Q buffer qb.
 template <class Cfg>
 __device__ __forceinline__ void load_q(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma, const CtaProblem& c,
@@ -563,14 +574,9 @@ __global__ void __launch_bounds__(kResidentThreads, 1)
   using Plan = typename Cfg::SharedMemoryPlan;
   Plan& plan = aligned_plan<Plan>(smem_raw);
   if (threadIdx.x == 0) {
-    for (int i = 0; i < Cfg::kStages; ++i) {
-      cutlass::arch::ClusterBarrier::init(&plan.full[i], 1);
-      cutlass::arch::ClusterBarrier::init(&plan.empty[i], 4);  // the consuming warpgroup's warps
-    }
-    for (int i = 0; i < Cfg::kQBuffers; ++i) {
-      cutlass::arch::ClusterBarrier::init(&plan.q_ready[i], 1);
+    init_ring_and_q<Cfg>(plan);
+    for (int i = 0; i < Cfg::kQBuffers; ++i)
       cutlass::arch::ClusterBarrier::init(&plan.q_free[i], kConsumers * 4);  // every consumer warp
-    }
     for (int i = 0; i < Cfg::kLogitBuffers; ++i) {
       cutlass::arch::ClusterBarrier::init(&plan.logits_full[i], kConsumers * kWarpgroupThreads);
       cutlass::arch::ClusterBarrier::init(&plan.logits_free[i], 1);
@@ -606,11 +612,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Plan = typename Cfg::SharedMemoryPlan;
   Plan& plan = aligned_plan<Plan>(smem_raw);
   if (threadIdx.x == 0) {
-    for (int i = 0; i < Cfg::kStages; ++i) {
-      cutlass::arch::ClusterBarrier::init(&plan.full[i], 1);
-      cutlass::arch::ClusterBarrier::init(&plan.empty[i], 4);  // the consuming warpgroup's warps
-    }
-    cutlass::arch::ClusterBarrier::init(&plan.q_ready[0], 1);
+    init_ring_and_q<Cfg>(plan);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
