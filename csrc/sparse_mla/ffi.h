@@ -73,12 +73,7 @@ auto SparseMlaFwdResultsAndAttrs(Binding b) {
 // The operands every backward handler takes first, in this order: the
 // forward's inputs and outputs and the cotangents.
 inline auto SparseMlaBwdOperands() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::Buffer<ffi::BF16>>()  // q
-      .Arg<ffi::Buffer<ffi::BF16>>()  // kv
-      .Arg<ffi::Buffer<ffi::S32>>()   // indices
-      .Arg<ffi::Buffer<ffi::S32>>()   // q_start
+  return SparseMlaFwdOperands()
       .Arg<ffi::Buffer<ffi::S32>>()   // row_ranges ([B, S, 0]: none)
       .Arg<ffi::Buffer<ffi::BF16>>()  // out
       .Arg<ffi::Buffer<ffi::F32>>()   // lse
