@@ -288,6 +288,28 @@ def test_exact_ties_go_to_the_smaller_key(topk):
         np.testing.assert_array_equal(got[s, 0], topk_oracle.exact_topk(logits[s], topk))
 
 
+@pytest.mark.parametrize("topk", [512, 2048])
+def test_fp8_resident_exact_ties(topk):
+    """The float8 resident kernel (300 row pairs, more than the SMs) with
+    2 * topk + 3 copies of one key, the largest logits of every row: the cut
+    falls among the copies (every radix round down to the last bit), and the
+    smaller copies are kept."""
+    S, N = 600, 5000
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-fp8-ties", topk), S=S, HI=HI, DI=DI, N=N, causal=False,
+                                     dtype=FP8)
+    iq, w = jnp.abs(iq.astype(jnp.float32)).astype(FP8), jnp.abs(w)
+    rng = np.random.default_rng(seed_of("topk-gpu-fp8-ties-keys", topk))
+    copies = np.sort(rng.choice(N, size=2 * topk + 3, replace=False))
+    key = (jnp.abs(ik[0].astype(jnp.float32)) + 1).astype(FP8)
+    ik = ik.at[jnp.asarray(copies)].set(key)
+    kw = dict(kw, index_k_scale=kw["index_k_scale"].at[jnp.asarray(copies)].set(4.0))
+    got = np.asarray(_kernel(iq, ik, w, kw, topk))
+    logits = check_selection(got, iq, ik, w, kw, topk, rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    for s in range(S):
+        np.testing.assert_array_equal(got[s, 0], copies[:topk])
+        np.testing.assert_array_equal(got[s, 0], topk_oracle.exact_topk(logits[s], topk))
+
+
 def test_deterministic():
     case = Case(S=300, N=5000, topk=2048, B=2, per_batch_q_start=True)
     iq, ik, w, kw = _inputs(case)
