@@ -140,7 +140,8 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
           --error-exitcode 9 python3 tests/support/sanitizer_run.py sparse_mla_bwd
       done ;;
     timeline)  # a build with the step marks (common/timeline.cuh), in a directory of its own so that
-               # nothing else picks it up; the forward's and the backward's schedules at mla-v32-h128
+               # nothing else picks it up; the forward's and the backward's schedules at mla-v32-h128,
+               # and the resident float8 top-k kernel's at topk-v32-fp8
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
       run timeline-build env PYTHONPATH=/tmp/site python3 -m pip install --no-build-isolation --no-deps \
         --target /tmp/timeline_site -C build-dir=/tmp/timeline_build \
@@ -148,7 +149,9 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
       for which in fwd bwd; do
         run "timeline-$which" env PYTHONPATH=/tmp/timeline_site:/tmp/site python3 tools/timeline.py mla-v32-h128 \
           "$which" --save "$OUT/timeline_$which.npz"
-      done ;;
+      done
+      run timeline-topk env PYTHONPATH=/tmp/timeline_site:/tmp/site python3 tools/timeline.py topk-v32-fp8 topk \
+        --save "$OUT/timeline_topk.npz" ;;
     ncu)
       for shape in v32-h128 v32-h64 idx-v32; do
         run "ncu-$shape" ncu --kernel-name regex:"attn_dist_kernel|indexer_fwd_kernel|indexer_bwd_kernel" --launch-skip 2 \

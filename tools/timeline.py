@@ -1,14 +1,21 @@
-"""Where a sparse MLA kernel's steps fall in time: runs one benchmark shape on
-an extension built with JAX_ATTN_DIST_TIMELINE (common/timeline.cuh;
+"""Where a kernel's steps fall in time: runs one benchmark shape on an
+extension built with JAX_ATTN_DIST_TIMELINE (common/timeline.cuh;
 ``tools/gpu_check.sh timeline`` builds one apart and runs this), reads the
 clock marks of the first CTAs and prints the median schedule of a steady-state
-step (a key-block pair in the forward, a block in the backward) in SM cycles,
+step (a key-block pair in the sparse MLA forward, a block in its backward, a
+selecting row pair in the resident float8 top-k kernel) in SM cycles,
 relative to consumer 0's loop top.
 
     python3 tools/timeline.py mla-v32-h128            # the forward
     python3 tools/timeline.py mla-v32-h128 bwd        # the backward (float32)
     python3 tools/timeline.py mla-v32-h128 bwd-det    # the backward (deterministic)
+    python3 tools/timeline.py topk-v32-fp8 topk       # the resident top-k kernel (float8, N <= 8192)
     python3 tools/timeline.py mla-v32-h128 bwd --load marks.npz   # a saved run again, no GPU
+
+In the top-k kernel the selector (role 2) selects a pair while the
+consumers compute the next one: its "next step" lines are the ones that run
+beside the consumers' step. Its steps are the CTA's pairs in walk order,
+whose key spans shrink along the walk, so the median step is a middle one.
 
 --save keeps the marks with the event names they were read with; --load
 reports them again only where this tree's names are the same.
@@ -63,6 +70,14 @@ def run(shape: str, which: str, path: str) -> int:
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import jax_attn_dist
+
+    if which == "topk":
+        from indexer_topk_bench import TOPK_SHAPES, topk_problem
+
+        S, N, HI, DI, topk = TOPK_SHAPES[shape][:5]
+        args, kw = topk_problem(S, N, HI, DI, 0, fp8=TOPK_SHAPES[shape][5:] == ("fp8",))
+        f = jax.jit(lambda *a: jax_attn_dist.indexer_topk(*a, topk=topk, implementation="cuda", **kw))
+        return run_marked(f, args, path, STEPS)  # the steps a CTA walked: topk_steps, from the marks
     from sparse_mla_bench import SPARSE_MLA_SHAPES, sparse_mla_problem
 
     S, N, H, T, D, d_v = SPARSE_MLA_SHAPES[shape]
@@ -77,6 +92,13 @@ def run(shape: str, which: str, path: str) -> int:
         (out, lse), vjp = jax.vjp(fwd, *args[:2])
         f, f_args = jax.jit(lambda vjp, c: vjp(c)), (vjp, (jnp.ones_like(out), jnp.ones_like(lse)))
         steps = -(-T // 64)
+    return run_marked(f, f_args, path, steps)
+
+
+def run_marked(f, f_args, path: str, steps: int) -> int:
+    """f(*f_args) three times, then once with the marks written to path."""
+    import jax
+
     for _ in range(3):
         jax.block_until_ready(f(*f_args))
     os.environ["JAX_ATTN_DIST_TIMELINE_FILE"] = path  # read by the launcher at each launch
@@ -85,6 +107,13 @@ def run(shape: str, which: str, path: str) -> int:
     finally:
         del os.environ["JAX_ATTN_DIST_TIMELINE_FILE"]
     return min(steps, STEPS)
+
+
+def topk_steps(marks: np.ndarray) -> int:
+    """The selecting pairs every marked CTA of the resident top-k kernel
+    walked (consumer 0's loop tops), at most STEPS."""
+    live = marks[marks[:, META_ROLE, 0, META_START] != 0]
+    return int((live[:, 0, :, 0] != 0).sum(axis=1).min()) if len(live) else 0
 
 
 def since(t, base):
@@ -103,6 +132,10 @@ def event_label(events: dict[int, str], ev: int) -> str:
 
 def role_events(which: str) -> list[tuple[str, dict[int, str]]]:
     """(role label, {event: name}) per role, from this tree's kernel headers."""
+    if which == "topk":
+        return [("consumer 0", enum_names("indexer_topk/kernel.cuh", "ResidentConsumerMark")),
+                ("consumer 1", enum_names("indexer_topk/kernel.cuh", "ResidentConsumerMark")),
+                ("selector", enum_names("indexer_topk/kernel.cuh", "SelectorMark"))]
     if which == "fwd":
         return [("consumer 0", enum_names("sparse_mla/kernel.cuh", "ConsumerMark")),
                 ("consumer 1", enum_names("sparse_mla/kernel.cuh", "ConsumerMark")),
@@ -192,8 +225,9 @@ def report_pairs(marks: np.ndarray, steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("shape", help="a sparse_mla benchmark shape (mla-v32-h128, ...)")
-    ap.add_argument("which", nargs="?", default="fwd", choices=("fwd", "bwd", "bwd-det"))
+    ap.add_argument("shape", help="a sparse_mla benchmark shape (mla-v32-h128, ...), or with topk an "
+                                  "indexer_topk one whose kernel is the resident one (topk-v32-fp8)")
+    ap.add_argument("which", nargs="?", default="fwd", choices=("fwd", "bwd", "bwd-det", "topk"))
     ap.add_argument("--save", help="also keep the marks here (npz)")
     ap.add_argument("--load", help="report the marks saved here (npz, --save's) instead of running")
     a = ap.parse_args()
@@ -215,12 +249,14 @@ def main() -> None:
             if not os.path.exists(path):
                 sys.exit("no marks were written: is the extension a timeline build (tools/gpu_check.sh timeline)?")
             marks = np.fromfile(path, np.uint32).reshape(CTAS, ROLES, STEPS, EVENTS)
+        if a.which == "topk":
+            steps = topk_steps(marks)
         if a.save:
             np.savez_compressed(a.save, marks=marks[:, :, :steps], which=a.which, shape=a.shape,
                                 layout=event_layout(a.which))
     print(f"== {a.shape} {a.which}")
     report(marks, steps, a.which)
-    if a.which != "fwd":
+    if a.which in ("bwd", "bwd-det"):
         report_pairs(marks, steps)
 
 

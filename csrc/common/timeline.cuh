@@ -1,6 +1,7 @@
-// Step timelines of the sparse MLA kernels, for diagnosis: with
-// JAX_ATTN_DIST_TIMELINE defined at build time (tools/gpu_check.sh timeline
-// builds so, through CMAKE_CUDA_FLAGS, into a directory of its own), a
+// Step timelines of the sparse MLA kernels and the resident top-k kernel, for
+// diagnosis: with JAX_ATTN_DIST_TIMELINE defined at build time
+// (tools/gpu_check.sh timeline builds so, through CMAKE_CUDA_FLAGS, into a
+// directory of its own), a
 // kernel's marked steps record the SM clock of one thread per role into a
 // buffer, and the launcher writes it to the file that the environment
 // variable JAX_ATTN_DIST_TIMELINE_FILE names after the launch (synchronising
@@ -28,7 +29,7 @@ namespace attn_dist {
 namespace timeline {
 
 constexpr int kCtas = 2048;   // the first CTAs of a launch: enough waves of 132 SMs
-constexpr int kRoles = 4;     // consumer 0, consumer 1, producer, meta
+constexpr int kRoles = 4;     // consumer 0, consumer 1, producer (top-k: the selector), meta
 constexpr int kSteps = 32;    // key-block pairs (forward) or blocks (backward)
 constexpr int kEvents = 16;
 constexpr int kMetaRole = 3;

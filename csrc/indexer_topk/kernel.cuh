@@ -33,6 +33,7 @@
 #include "../common/cta.cuh"
 #include "../common/host.h"
 #include "../common/slot_validity.cuh"
+#include "../common/timeline.cuh"
 #include "select.cuh"
 
 namespace attn_dist {
@@ -475,6 +476,24 @@ struct ResidentWalk {
   }
 };
 
+// Timeline events of the resident kernel's selecting pairs, one step each,
+// in the order a CTA takes them (a timeline build only, common/timeline.cuh;
+// tools/timeline.py reads these names). Roles 0 and 1: the consumers; role
+// 2: the selector (the producer is not marked).
+enum ResidentConsumerMark : int { kConsumerTop = 0, kLogitsFreeWaited, kQLanded, kLogitsStored };
+enum SelectorMark : int {
+  kSelectorTop = 0,     // before the wait for the pair's logits
+  kLogitsFullWaited,
+  kRow0FirstRound,      // row 0's first radix round resolved
+  kRow0Rounds,          // its cut known
+  kRow0Emitted,         // its output written
+  kRow1FirstRound,
+  kRow1Rounds,
+  kRow1Emitted,
+  kBufferFreed,
+};
+static_assert(kBufferFreed < timeline::kEvents, "a step's events fit the timeline's");
+
 template <class Cfg>
 __device__ __forceinline__ void produce_resident(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                                  const TmaParams& tma) {
@@ -514,13 +533,18 @@ __device__ __forceinline__ void consume_resident(typename Cfg::SharedMemoryPlan&
   for (ResidentWalk w; w.pair() < pairs; ++w.round) {
     const CtaProblem c = locate_pair(p, int(w.pair()));
     if (!c.any_select) continue;
+    auto mark = [&](int event) { timeline::mark(t == 0, wg, used, event); };
+    mark(kConsumerTop);
     ColumnWeights<Cfg> weights;
     weights.load(p, c, lane);
     const int b = used & 1;
     cutlass::arch::ClusterBarrier::wait(&plan.logits_free[b], uint32_t((used >> 1) & 1) ^ 1u);
+    mark(kLogitsFreeWaited);
     cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready[b], uint32_t((used >> 1) & 1));
+    mark(kQLanded);
     chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, 0, wg, t,
                       LogitsSink<Cfg>{&plan.logits[b], {}, b, &plan.q_free[b]});
+    mark(kLogitsStored);
     j0 += c.chunk_blocks(0);
     cutlass::arch::ClusterBarrier::arrive(&plan.logits_full[b]);  // this thread's logits stored
     ++used;
@@ -543,23 +567,31 @@ __device__ __forceinline__ void select_resident(typename Cfg::SharedMemoryPlan& 
       if (ri.present && !ri.select) write_all_keys(p.indices + ri.row * p.topk, ri.begin, ri.span, p.topk, t);
     }
     if (!c.any_select) continue;
+    auto mark = [&](int event) { timeline::mark(t == 0, 2, used, event); };
+    mark(kSelectorTop);
     const int b = used & 1;
     cutlass::arch::ClusterBarrier::wait(&plan.logits_full[b], uint32_t((used >> 1) & 1));
+    mark(kLogitsFullWaited);
     for (int r = 0; r < kRows; ++r) {
       const RowInfo ri = r == 0 ? c.rows[0] : c.rows[1];  // (a select: a runtime index would put c in local memory)
       if (!ri.select) continue;
+      const int row_mark = r * (kRow1FirstRound - kRow0FirstRound);
       const uint32_t* u = plan.logits[b][r];
       const int a = int(ri.begin - c.begin), e = a + int(ri.span);
       RowSelect s = RowSelect::first_round(uint32_t(p.topk), ri.span);
-      while (!s.done()) {
+      for (bool first = true; !s.done(); first = false) {
         hist_add(plan.hist[0], u, a, e, s, t);
         hist_resolve(plan, s, 0, t);
+        if (first) mark(kRow0FirstRound + row_mark);
       }
+      mark(kRow0Rounds + row_mark);
       EmitCursor cur;
       emit_keys(plan, u, a, e, c.begin, s, cur, p.indices + ri.row * p.topk, p.topk, 0, t);
+      mark(kRow0Emitted + row_mark);
     }
     row_sync(0);  // every read of the buffer done
     if (t == 0) cutlass::arch::ClusterBarrier::arrive(&plan.logits_free[b]);
+    mark(kBufferFreed);
     ++used;
   }
 }
@@ -584,6 +616,7 @@ __global__ void __launch_bounds__(kResidentThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  timeline::mark_start();
   const int wg = int(threadIdx.x) / kWarpgroupThreads;
   const int t = int(threadIdx.x) % kWarpgroupThreads;
   if (wg == kConsumers) {
@@ -592,9 +625,11 @@ __global__ void __launch_bounds__(kResidentThreads, 1)
   } else if (wg == kConsumers + 1) {
     cutlass::arch::warpgroup_reg_dealloc<kResidentSelectorRegs>();
     select_resident<Cfg>(plan, params, t);
+    timeline::mark_end(t == 0, 2);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kResidentConsumerRegs>();
     consume_resident<Cfg>(plan, params, wg, t);
+    timeline::mark_end(t == 0, wg);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without WGMMA: fail loudly rather than leave the output unwritten
@@ -671,8 +706,11 @@ LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const 
     const int sms = device_sm_count();  // 0 if the query failed: the multi-pass kernel
     if (p.s_kv <= kChunkKeys && sms > 0 && pairs > sms) {
       using Resident = Config<Cfg::DI, Cfg::HT, fp8, true>;
-      return launch_kernel(&indexer_topk_resident_kernel<Resident>, int64_t(sms), kResidentThreads,
-                           Resident::kSmemBytes, stream, detail, p, tma);
+      const timeline::Recorder timeline(stream);
+      const LaunchStatus status = launch_kernel(&indexer_topk_resident_kernel<Resident>, int64_t(sms),
+                                                kResidentThreads, Resident::kSmemBytes, stream, detail, p, tma);
+      timeline.write(stream);
+      return status;
     }
   }
   return launch_kernel(&indexer_topk_kernel<Cfg>, pairs, kThreads, Cfg::kSmemBytes, stream, detail, p, tma);

@@ -86,3 +86,50 @@ def test_marks_of_other_events_are_refused(tmp_path):
     out = report(tmp_path, synthetic_marks(paired=True), layout="WG0 (scores): 0=kScoresTop")
     assert out.returncode != 0 and "that tree's tools/timeline.py" in out.stderr
     assert "first merge" not in out.stdout
+
+
+def topk_marks() -> np.ndarray:
+    """The resident top-k kernel's marks (indexer_topk/kernel.cuh's
+    ResidentConsumerMark and SelectorMark), three CTAs, the third walking one
+    step fewer: consumer 0's loop top every 20000 cycles, consumer 1's 50
+    later, the logits stored at 15000; the selector takes a step's logits at
+    15200 and frees the buffer at 33000 (past the next step's top)."""
+    consumer = timeline_tool.enum_names("indexer_topk/kernel.cuh", "ResidentConsumerMark")
+    selector = timeline_tool.enum_names("indexer_topk/kernel.cuh", "SelectorMark")
+    c = {name: value for value, name in consumer.items()}
+    sel = {name: value for value, name in selector.items()}
+    marks = np.zeros((3, ROLES, STEPS, EVENTS), np.uint32)
+    for cta in range(3):
+        marks[cta, META, 0, START] = 1000
+        for step in range(STEPS - (cta == 2)):
+            top = 10000 + 20000 * step
+            for role in (0, 1):
+                marks[cta, role, step, c["kConsumerTop"]] = top + 50 * role
+                marks[cta, role, step, c["kLogitsStored"]] = top + 15000
+            for name, at in (("kSelectorTop", 15100), ("kLogitsFullWaited", 15200), ("kRow0FirstRound", 17000),
+                             ("kRow0Rounds", 21000), ("kRow0Emitted", 24000), ("kBufferFreed", 33000)):
+                marks[cta, 2, step, sel[name]] = top + at
+    return marks
+
+
+def test_resident_topk_schedule(tmp_path):
+    marks = topk_marks()
+    assert timeline_tool.topk_steps(marks) == STEPS - 1
+    path = tmp_path / "marks.npz"
+    steps = timeline_tool.topk_steps(marks)
+    np.savez_compressed(path, marks=marks[:, :, :steps], which="topk", shape="topk-v32-fp8",
+                        layout=timeline_tool.event_layout("topk"))
+    out = subprocess.run([sys.executable, TOOL, "topk-v32-fp8", "topk", "--load", str(path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert f"3 CTAs, {STEPS - 1} steps each" in text
+    assert f"median of steps 2..{STEPS - 4}: 20000 cycles" in text
+    this, _, following = text.partition("selector, next step:")
+    assert re.search(r"consumer 1, this step:\n  kConsumerTop +50\n  kLogitsStored +15000\n", this)
+    assert re.search(r"selector, this step:\n  kSelectorTop +15100\n  kLogitsFullWaited +15200\n"
+                     r"  kRow0FirstRound +17000\n  kRow0Rounds +21000\n  kRow0Emitted +24000\n  kBufferFreed +33000\n",
+                     this)
+    # The same steps one step on, against this step's consumer top.
+    assert re.search(r"\n  kLogitsFullWaited +35200\n", following)
+    assert "first merge" not in text
