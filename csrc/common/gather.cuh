@@ -40,9 +40,11 @@ constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90 opt-in limit per block
 constexpr int launch_registers_per_thread(int threads, int ctas_per_sm) {
   return 65536 / (threads * ctas_per_sm) / 8 * 8;
 }
+// (other_*: a third kind of warpgroup, where a kernel has one.)
 constexpr bool register_budgets_fit(int threads, int ctas_per_sm, int consumer_threads, int consumer_regs,
-                                    int producer_threads, int producer_regs) {
-  return consumer_threads * consumer_regs + producer_threads * producer_regs <=
+                                    int producer_threads, int producer_regs, int other_threads = 0,
+                                    int other_regs = 0) {
+  return consumer_threads * consumer_regs + producer_threads * producer_regs + other_threads * other_regs <=
          launch_registers_per_thread(threads, ctas_per_sm) * threads;
 }
 

@@ -1,13 +1,12 @@
 // Step timelines of the sparse MLA kernels and the resident top-k kernel, for
 // diagnosis: with JAX_ATTN_DIST_TIMELINE defined at build time
 // (tools/gpu_check.sh timeline builds so, through CMAKE_CUDA_FLAGS, into a
-// directory of its own), a
-// kernel's marked steps record the SM clock of one thread per role into a
-// buffer, and the launcher writes it to the file that the environment
-// variable JAX_ATTN_DIST_TIMELINE_FILE names after the launch (synchronising
-// the stream: a timeline build is not for timing whole calls, nor for
-// CUDA-graph capture). Without the definition every mark is empty and the
-// kernels compile as if it were not there.
+// directory of its own), a kernel's marked steps record the SM clock of one
+// thread per role into a buffer, and the launcher writes it to the file that
+// the environment variable JAX_ATTN_DIST_TIMELINE_FILE names after the
+// launch (synchronising the stream: a timeline build is not for timing whole
+// calls, nor for CUDA-graph capture). Without the definition every mark is
+// empty and the kernels compile as if it were not there.
 //
 // Layout of the file: uint32 [kCtas][kRoles][kSteps][kEvents], the first
 // kCtas CTAs of the launch, zero where nothing was marked; role kMetaRole,

@@ -51,9 +51,9 @@ static_assert(register_budgets_fit(kThreads, 1, kConsumers * kWarpgroupThreads, 
 constexpr int kResidentConsumerRegs = 208;
 constexpr int kResidentProducerRegs = 24;
 constexpr int kResidentSelectorRegs = 72;
-static_assert(2 * kWarpgroupThreads * kResidentConsumerRegs + kWarpgroupThreads * kResidentProducerRegs +
-                      kWarpgroupThreads * kResidentSelectorRegs <=
-                  65536,
+static_assert(register_budgets_fit(kResidentThreads, 1, kConsumers * kWarpgroupThreads, kResidentConsumerRegs,
+                                   kWarpgroupThreads, kResidentProducerRegs, kWarpgroupThreads,
+                                   kResidentSelectorRegs),
               "setmaxnreg budgets exceed the resident CTA's register allocation");
 constexpr int kBlockKeys = 64;               // keys per WGMMA block (the M of the WGMMA)
 // Keys whose logits a row holds in shared memory at once (a chunk). A row
