@@ -271,43 +271,41 @@ def test_kernel_on_raw_row_ranges(N, topk, dtype):
     np.testing.assert_array_equal(valid_counts(logits)[0, :6], [3, topk - 1, 0, N, topk, topk + 1])
 
 
-@pytest.mark.parametrize("topk", [1, 64, 2048])
-def test_exact_ties_go_to_the_smaller_key(topk):
-    """Copies of one key with the largest logits in every row: whenever the
-    cut falls among them, the smaller keys are kept."""
-    S, N = 48, 5000
-    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-ties", topk), S=S, HI=HI, DI=DI, N=N, causal=False)
-    iq, w = jnp.abs(iq), jnp.abs(w)
-    rng = np.random.default_rng(seed_of("topk-gpu-ties-keys", topk))
+def _check_ties_among_copies(seed_name, topk, S, dtype=jnp.bfloat16):
+    """2 * topk + 3 copies of one key (at most N - 1), the largest logits of
+    every row: whenever the cut falls among them, the smaller copies are kept
+    (float8: the copies share a key scale too)."""
+    N = 5000
+    iq, ik, w, kw = make_topk_inputs(seed_of(seed_name, topk), S=S, HI=HI, DI=DI, N=N, causal=False, dtype=dtype)
+    rng = np.random.default_rng(seed_of(seed_name + "-keys", topk))
     copies = np.sort(rng.choice(N, size=min(2 * topk + 3, N - 1), replace=False))
-    ik = ik.at[jnp.asarray(copies)].set(jnp.abs(ik[0]) + 1)
+    rtol = {}
+    if dtype == FP8:
+        iq, w = jnp.abs(iq.astype(jnp.float32)).astype(FP8), jnp.abs(w)
+        ik = ik.at[jnp.asarray(copies)].set((jnp.abs(ik[0].astype(jnp.float32)) + 1).astype(FP8))
+        kw = dict(kw, index_k_scale=kw["index_k_scale"].at[jnp.asarray(copies)].set(4.0))
+        rtol = dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    else:
+        iq, w = jnp.abs(iq), jnp.abs(w)
+        ik = ik.at[jnp.asarray(copies)].set(jnp.abs(ik[0]) + 1)
     got = np.asarray(_kernel(iq, ik, w, kw, topk))
-    logits = check_selection(got, iq, ik, w, kw, topk)
+    logits = check_selection(got, iq, ik, w, kw, topk, **rtol)
     for s in range(S):
         np.testing.assert_array_equal(got[s, 0], copies[:topk])
         np.testing.assert_array_equal(got[s, 0], topk_oracle.exact_topk(logits[s], topk))
+
+
+@pytest.mark.parametrize("topk", [1, 64, 2048])
+def test_exact_ties_go_to_the_smaller_key(topk):
+    _check_ties_among_copies("topk-gpu-ties", topk, S=48)
 
 
 @pytest.mark.parametrize("topk", [512, 2048])
 def test_fp8_resident_exact_ties(topk):
-    """The float8 resident kernel (300 row pairs, more than the SMs) with
-    2 * topk + 3 copies of one key, the largest logits of every row: the cut
-    falls among the copies (every radix round down to the last bit), and the
-    smaller copies are kept."""
-    S, N = 600, 5000
-    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-fp8-ties", topk), S=S, HI=HI, DI=DI, N=N, causal=False,
-                                     dtype=FP8)
-    iq, w = jnp.abs(iq.astype(jnp.float32)).astype(FP8), jnp.abs(w)
-    rng = np.random.default_rng(seed_of("topk-gpu-fp8-ties-keys", topk))
-    copies = np.sort(rng.choice(N, size=2 * topk + 3, replace=False))
-    key = (jnp.abs(ik[0].astype(jnp.float32)) + 1).astype(FP8)
-    ik = ik.at[jnp.asarray(copies)].set(key)
-    kw = dict(kw, index_k_scale=kw["index_k_scale"].at[jnp.asarray(copies)].set(4.0))
-    got = np.asarray(_kernel(iq, ik, w, kw, topk))
-    logits = check_selection(got, iq, ik, w, kw, topk, rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
-    for s in range(S):
-        np.testing.assert_array_equal(got[s, 0], copies[:topk])
-        np.testing.assert_array_equal(got[s, 0], topk_oracle.exact_topk(logits[s], topk))
+    """The same in the float8 resident kernel (300 row pairs, more than the
+    SMs): the cut falls among the copies, every radix round down to the last
+    bit."""
+    _check_ties_among_copies("topk-gpu-fp8-ties", topk, S=600, dtype=FP8)
 
 
 def test_deterministic():
