@@ -476,6 +476,24 @@ struct ResidentWalk {
   }
 };
 
+// Walks the CTA's pairs: every(c) for each, then selecting(c, used) for each
+// that selects (used: the selecting pairs before it), as every role counts them.
+template <class Every, class Selecting>
+__device__ __forceinline__ void walk_resident_pairs(const IndexerTopkParams& p, Every&& every, Selecting&& selecting) {
+  const int pairs = num_pairs(p);
+  int used = 0;
+  for (ResidentWalk w; w.pair() < pairs; ++w.round) {
+    const CtaProblem c = locate_pair(p, int(w.pair()));
+    every(c);
+    if (!c.any_select) continue;
+    selecting(c, used);
+    ++used;
+  }
+}
+struct NoPairWork {
+  __device__ __forceinline__ void operator()(const CtaProblem&) const {}
+};
+
 // Timeline events of the resident kernel's selecting pairs, one step each,
 // in the order a CTA takes them (a timeline build only, common/timeline.cuh;
 // tools/timeline.py reads these names). Roles 0 and 1: the consumers; role
@@ -497,11 +515,8 @@ static_assert(kBufferFreed < timeline::kEvents, "a step's events fit the timelin
 template <class Cfg>
 __device__ __forceinline__ void produce_resident(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                                  const TmaParams& tma) {
-  const int pairs = num_pairs(p);
-  int used = 0, j = 0;
-  for (ResidentWalk w; w.pair() < pairs; ++w.round) {
-    const CtaProblem c = locate_pair(p, int(w.pair()));
-    if (!c.any_select) continue;
+  int j = 0;
+  walk_resident_pairs(p, NoPairWork{}, [&](const CtaProblem& c, int used) {
     if (used == 0) {  // (with N = 0 no pair selects, and the key map was never encoded)
       cute::prefetch_tma_descriptor(&tma.q);
       cute::prefetch_tma_descriptor(&tma.k);
@@ -512,8 +527,7 @@ __device__ __forceinline__ void produce_resident(typename Cfg::SharedMemoryPlan&
     load_q<Cfg>(plan, tma, c, qb);
     const int blocks = c.chunk_blocks(0);
     for (int blk = 0; blk < blocks; ++blk, ++j) load_block<Cfg>(plan, tma, c, int(c.begin) + blk * kBlockKeys, j);
-    ++used;
-  }
+  });
 }
 
 template <class Cfg>
@@ -528,11 +542,8 @@ __device__ __forceinline__ void consume_resident(typename Cfg::SharedMemoryPlan&
   Tensor tB = thr_mma.partition_fragment_B(sQ);
   Tensor acc0 = partition_fragment_C(mma, Shape<Int<kBlockKeys>, Int<Cfg::kMmaN>>{});
   Tensor acc1 = partition_fragment_C(mma, Shape<Int<kBlockKeys>, Int<Cfg::kMmaN>>{});
-  const int pairs = num_pairs(p);
-  int used = 0, j0 = 0;
-  for (ResidentWalk w; w.pair() < pairs; ++w.round) {
-    const CtaProblem c = locate_pair(p, int(w.pair()));
-    if (!c.any_select) continue;
+  int j0 = 0;
+  walk_resident_pairs(p, NoPairWork{}, [&](const CtaProblem& c, int used) {
     auto mark = [&](int event) { timeline::mark(t == 0, wg, used, event); };
     mark(kConsumerTop);
     ColumnWeights<Cfg> weights;
@@ -547,8 +558,7 @@ __device__ __forceinline__ void consume_resident(typename Cfg::SharedMemoryPlan&
     mark(kLogitsStored);
     j0 += c.chunk_blocks(0);
     cutlass::arch::ClusterBarrier::arrive(&plan.logits_full[b]);  // this thread's logits stored
-    ++used;
-  }
+  });
 }
 
 // The selector warpgroup: every row's output (rows with at most topk keys
@@ -558,15 +568,13 @@ __device__ __forceinline__ void select_resident(typename Cfg::SharedMemoryPlan& 
                                                 int t) {
   for (int i = t; i < kHistBins; i += kWarpgroupThreads) plan.hist[0][i] = 0u;
   row_sync(0);
-  const int pairs = num_pairs(p);
-  int used = 0;
-  for (ResidentWalk w; w.pair() < pairs; ++w.round) {
-    const CtaProblem c = locate_pair(p, int(w.pair()));
+  const auto write_unselected_rows = [&](const CtaProblem& c) {
     for (int r = 0; r < kRows; ++r) {
       const RowInfo& ri = c.rows[r];
       if (ri.present && !ri.select) write_all_keys(p.indices + ri.row * p.topk, ri.begin, ri.span, p.topk, t);
     }
-    if (!c.any_select) continue;
+  };
+  walk_resident_pairs(p, write_unselected_rows, [&](const CtaProblem& c, int used) {
     auto mark = [&](int event) { timeline::mark(t == 0, 2, used, event); };
     mark(kSelectorTop);
     const int b = used & 1;
@@ -592,8 +600,7 @@ __device__ __forceinline__ void select_resident(typename Cfg::SharedMemoryPlan& 
     row_sync(0);  // every read of the buffer done
     if (t == 0) cutlass::arch::ClusterBarrier::arrive(&plan.logits_free[b]);
     mark(kBufferFreed);
-    ++used;
-  }
+  });
 }
 
 template <class Cfg>

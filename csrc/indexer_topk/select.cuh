@@ -50,9 +50,9 @@ struct RowSelect {
     return s;
   }
   __device__ __forceinline__ bool done() const { return need == count || low_bits == 0; }
-  __device__ __forceinline__ bool matches(uint32_t u) const {
-    return (uint64_t(u) >> low_bits) == (uint64_t(prefix) >> low_bits);
-  }
+  // The known high bits as a mask (0 before the first round): a key matches
+  // the prefix where ((u ^ prefix) & known_mask()) == 0.
+  __device__ __forceinline__ uint32_t known_mask() const { return low_bits >= 32 ? 0u : ~0u << low_bits; }
   __device__ __forceinline__ int shift() const { return low_bits > kHistBits ? low_bits - kHistBits : 0; }
 };
 
@@ -69,15 +69,25 @@ __device__ __forceinline__ void write_all_keys(int32_t* out, uint32_t begin, uin
 }
 
 // Visits the order keys u[a, e) strided over the warpgroup (thread t: a + t,
-// a + t + 128, ...), kLoadsInFlight loads issued before their uses: f(v, in),
-// where a lane past e gets in = false (and v = 0). Every lane of a warp runs
-// the same steps, so that f may vote across the warp.
+// a + t + 128, ...) in steps of kLoadsInFlight keys a thread, their loads
+// issued before their uses: f(v, in) with the step's keys, where a lane's key
+// past e gets in = false (and v = 0). Every lane of a warp runs the same
+// steps, so that f may vote across the warp.
 constexpr int kLoadsInFlight = 4;
 template <class F>
-__device__ __forceinline__ void for_each_key(const uint32_t* u, int a, int e, int t, F&& f) {
+__device__ __forceinline__ void for_each_step(const uint32_t* u, int a, int e, int t, F&& f) {
   constexpr int kStride = kWarpgroupThreads;
   const int lane = t % 32;
-  for (int i = a + t - lane; i < e; i += kLoadsInFlight * kStride) {  // warp-uniform bound
+  int i = a + t - lane;  // the warp's first key of a step (warp-uniform)
+  // Steps whose keys are all below e: no key's bound tested.
+  for (; i + (kLoadsInFlight - 1) * kStride + 32 <= e; i += kLoadsInFlight * kStride) {
+    uint32_t v[kLoadsInFlight];
+    bool in[kLoadsInFlight];
+    CUTE_UNROLL
+    for (int r = 0; r < kLoadsInFlight; ++r) v[r] = u[i + lane + r * kStride], in[r] = true;
+    f(v, in);
+  }
+  for (; i < e; i += kLoadsInFlight * kStride) {
     uint32_t v[kLoadsInFlight];
     bool in[kLoadsInFlight];
     CUTE_UNROLL
@@ -86,9 +96,17 @@ __device__ __forceinline__ void for_each_key(const uint32_t* u, int a, int e, in
       in[r] = k < e;
       v[r] = in[r] ? u[k] : 0u;
     }
+    f(v, in);
+  }
+}
+
+// The same keys one at a time: f(v, in).
+template <class F>
+__device__ __forceinline__ void for_each_key(const uint32_t* u, int a, int e, int t, F&& f) {
+  for_each_step(u, a, e, t, [&](const uint32_t(&v)[kLoadsInFlight], const bool(&in)[kLoadsInFlight]) {
     CUTE_UNROLL
     for (int r = 0; r < kLoadsInFlight; ++r) f(v[r], in[r]);
-  }
+  });
 }
 
 // *p += v in shared memory, with no branch around it. (An increment by the
@@ -113,15 +131,25 @@ __device__ __forceinline__ void global_store_if(int32_t* p, int32_t v, bool pred
 }
 
 // Adds the order keys u[a, e) that match the prefix to the row's histogram
-// of the next digit. A warp whose keys of a step all miss the prefix (most
-// of them, past the first round) skips the additions by a vote; where one
-// lane matches, every lane adds (0 where it misses).
+// of the next digit. In the first round every key counts. After it, a warp
+// whose keys of a step all miss the prefix (most steps, past the second
+// round) skips the step's additions by one vote; where one lane matches,
+// every lane adds each of its keys (0 where it misses).
 __device__ __forceinline__ void hist_add(uint32_t* hist, const uint32_t* u, int a, int e, const RowSelect& s, int t) {
+  if (s.low_bits == 32) {
+    for_each_key(u, a, e, t, [&](uint32_t v, bool in) { shared_add(hist + (v >> (32 - kHistBits)), uint32_t(in)); });
+    return;
+  }
   const int shift = s.shift();
-  const uint32_t mask = (1u << (s.low_bits - shift)) - 1u;
-  for_each_key(u, a, e, t, [&](uint32_t v, bool in) {
-    const bool m = in && s.matches(v);
-    if (__any_sync(0xffffffffu, m)) shared_add(hist + ((v >> shift) & mask), uint32_t(m));
+  const uint32_t mask = (1u << (s.low_bits - shift)) - 1u, known = s.known_mask(), prefix = s.prefix;
+  for_each_step(u, a, e, t, [&](const uint32_t(&v)[kLoadsInFlight], const bool(&in)[kLoadsInFlight]) {
+    bool m[kLoadsInFlight], any = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kLoadsInFlight; ++r) m[r] = in[r] && ((v[r] ^ prefix) & known) == 0u, any |= m[r];
+    if (__any_sync(0xffffffffu, any)) {
+      CUTE_UNROLL
+      for (int r = 0; r < kLoadsInFlight; ++r) shared_add(hist + ((v[r] >> shift) & mask), uint32_t(m[r]));
+    }
   });
 }
 
@@ -200,17 +228,22 @@ template <class Plan>
 __device__ __forceinline__ void emit_keys(Plan& plan, const uint32_t* u, int a, int e, uint32_t key_base,
                                           const RowSelect& s, EmitCursor& cur, int32_t* out, int topk, int r,
                                           int t) {
-  const bool take_prefix = s.need == s.count;  // every key >= prefix; else exact cut with ties
+  // A key is above the cut where v > prefix, or v == prefix when every key
+  // of the prefix is taken (need == count); else v == prefix is a tie at the
+  // exact cut, of which the first `need` in key order are taken.
+  const bool take_prefix = s.need == s.count;
+  const uint32_t prefix = s.prefix;
   const int lane = t % 32, warp = t / 32;
   const int len = ((e - a + kWarpgroupThreads - 1) / kWarpgroupThreads) | 1;
   const int lo = min(a + t * len, e), hi = min(lo + len, e);
-  auto is_above = [&](uint32_t v) { return take_prefix ? v >= s.prefix : v > s.prefix; };
-  auto is_equal = [&](uint32_t v) { return !take_prefix && v == s.prefix; };
   // Both counts in one word, above in the high half: a call sees at most
   // kChunkKeys keys, so neither passes 2^16.
   static_assert(kChunkKeys < (1 << 16), "a chunk's counts must fit 16 bits");
+  const uint32_t equal_count = take_prefix ? 1u << 16 : 1u;
   uint32_t own = 0;
-  for_each_segment_key(u, lo, hi, [&](uint32_t v, int) { own += (uint32_t(is_above(v)) << 16) | uint32_t(is_equal(v)); });
+  for_each_segment_key(u, lo, hi, [&](uint32_t v, int) {
+    own += (v > prefix ? 1u << 16 : 0u) + (v == prefix ? equal_count : 0u);
+  });
   uint32_t incl = own;
   CUTE_UNROLL
   for (int m = 1; m < 32; m <<= 1) {
@@ -231,13 +264,19 @@ __device__ __forceinline__ void emit_keys(Plan& plan, const uint32_t* u, int a, 
   cur.above += total >> 16;
   cur.equal += total & 0xFFFFu;
   cur.parity ^= 1;  // the other buffer next call: one barrier per call suffices
+  // The segment's taken keys go to consecutive positions from its first;
+  // ties_left: the ties it may still take (all, where the prefix is taken).
+  uint32_t pos = above_before + min(equal_before, s.need);
+  uint32_t ties_left = take_prefix ? 0xFFFFFFFFu : s.need - min(equal_before, s.need);
+  // The row's output as an opaque pointer, so that each key's address is one
+  // scaled add to it rather than 64-bit index arithmetic from the row's start.
+  asm("" : "+l"(out));
   for_each_segment_key(u, lo, hi, [&](uint32_t v, int i) {
-    const bool above = is_above(v), equal = is_equal(v);
-    const uint32_t pos = above_before + min(equal_before, s.need);
-    const bool take = (above | (equal & (equal_before < s.need))) & (pos < uint32_t(topk));
-    global_store_if(out + pos, int32_t(key_base + uint32_t(i)), take);
-    above_before += above;
-    equal_before += equal;
+    const bool tie = v == prefix && ties_left != 0u;
+    const bool take = v > prefix || tie;
+    global_store_if(out + pos, int32_t(key_base + uint32_t(i)), take && pos < uint32_t(topk));
+    pos += take;
+    ties_left -= tie;
   });
 }
 
