@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, demo, benchmark, sanitizers.
-#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [bench-new] [sanitize] [sanitize-det] [sanitize-packed] [sanitize-new] [sanitize-bwd] [timeline] [ncu] [sass]
+#   tools/gpu_check.sh [build] [test] [test-all] [multi-gpu] [demo] [bench] [bench-quick] [bench-indexer] [bench-packed] [bench-new] [sanitize] [sanitize-det] [sanitize-packed] [sanitize-new] [sanitize-bwd] [timeline] [ncu] [ncu-topk] [sass]
 # Logs and JSON go to $OUT (default /tmp/gpu_check), and all of them again in
 # $OUT/0_gpu_check.tgz at the end. Needs the nvidia-cutlass
 # wheel in .whl/ (no package index there); everything else is on the machine.
@@ -156,6 +156,14 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
       for shape in v32-h128 v32-h64 idx-v32; do
         run "ncu-$shape" ncu --kernel-name regex:"attn_dist_kernel|indexer_fwd_kernel|indexer_bwd_kernel" --launch-skip 2 \
           --launch-count 1 --set full --import-source no --page details python3 tools/profile_kernel.py "$shape"
+      done ;;
+    ncu-topk)  # the top-k kernels (float8 resident, bf16 multi-pass): ncu's full set, then each
+               # role's instructions and stalls from the per-instruction page (tools/ncu_roles.py)
+      for shape in topk-v32-fp8 topk-v32; do
+        run "ncu-$shape" ncu --kernel-name regex:indexer_topk --launch-skip 2 --launch-count 1 --set full \
+          --import-source no -f -o "$OUT/ncu_$shape" python3 tools/profile_kernel.py "$shape" &&
+          ncu -i "$OUT/ncu_$shape.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_${shape}_source.csv" &&
+          run "ncu-roles-$shape" python3 tools/ncu_roles.py "$OUT/ncu_${shape}_source.csv" --top 25
       done ;;
     sass)
       so=$(cd /tmp && python3 -c "import jax_attn_dist._cuda as m; print(m.__file__)")
