@@ -162,7 +162,8 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
       for shape in topk-v32-fp8 topk-v32; do
         run "ncu-$shape" ncu --kernel-name regex:indexer_topk --launch-skip 2 --launch-count 1 --set full \
           --import-source no -f -o "$OUT/ncu_$shape" python3 tools/profile_kernel.py "$shape" &&
-          ncu -i "$OUT/ncu_$shape.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_${shape}_source.csv" &&
+          run "ncu-source-$shape" bash -c 'ncu -i "$1" --page source --print-source sass --csv > "$2"' _ \
+            "$OUT/ncu_$shape.ncu-rep" "$OUT/ncu_${shape}_source.csv" &&
           run "ncu-roles-$shape" python3 tools/ncu_roles.py "$OUT/ncu_${shape}_source.csv" --top 25
       done ;;
     sass)
