@@ -62,6 +62,16 @@ def topk_problem(S, N, HI, DI, seed, fp8=False):
     return (index_q, index_k, weights * q_scale), dict(kw, index_k_scale=k_scale)
 
 
+def shape_call(name, seed=0, implementation="cuda"):
+    """(f, args): shape `name`'s jitted indexer_topk call and one input set, for
+    the tools that run one shape's kernel (profile_kernel.py, timeline.py)."""
+    import jax_attn_dist
+
+    S, N, HI, DI, topk = TOPK_SHAPES[name][:5]
+    args, kw = topk_problem(S, N, HI, DI, seed, fp8=TOPK_SHAPES[name][5:] == ("fp8",))
+    return jax.jit(lambda *a: jax_attn_dist.indexer_topk(*a, topk=topk, implementation=implementation, **kw)), args
+
+
 def oracle_check(indices, arrays, kw, topk, rows=ORACLE_ROWS, rtol=None):
     """(rows checked, rows failing): the first and last ``rows`` rows against
     SPEC §9.3's acceptance rule (band ``rtol``, the bf16 one by default) on

@@ -23,7 +23,7 @@ sys.path.insert(0, "benchmarks")
 import jax_attn_dist  # noqa: E402
 from bench import ATTN_SHAPES, INDEXER_SHAPES, SPARSE_MLA_SHAPES, TOPK_SHAPES  # noqa: E402
 from indexer_bench import indexer_problem  # noqa: E402
-from indexer_topk_bench import topk_problem  # noqa: E402
+from indexer_topk_bench import shape_call as topk_shape_call  # noqa: E402
 from sparse_mla_bench import sparse_mla_problem  # noqa: E402
 from jax_attn_dist import synthetic  # noqa: E402
 
@@ -51,9 +51,7 @@ elif name in SPARSE_MLA_SHAPES:
         cot = (jax.numpy.ones_like(out), jax.numpy.ones_like(lse))
         f, args = jax.jit(lambda vjp, c: vjp(c)), (vjp, cot)
 elif name in TOPK_SHAPES:
-    S, N, HI, DI, topk = TOPK_SHAPES[name][:5]
-    args, kw = topk_problem(S, N, HI, DI, 0, fp8=TOPK_SHAPES[name][5:] == ("fp8",))
-    f = jax.jit(lambda *a: jax_attn_dist.indexer_topk(*a, topk=topk, implementation="cuda", **kw))
+    f, args = topk_shape_call(name)
 else:
     S, N, H, T, D = ATTN_SHAPES[name]
     p = synthetic.make_problem(S=S, N=N, H=H, T=T, D=D, seed=0)

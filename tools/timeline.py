@@ -72,12 +72,9 @@ def run(shape: str, which: str, path: str) -> int:
     import jax_attn_dist
 
     if which == "topk":
-        from indexer_topk_bench import TOPK_SHAPES, topk_problem
+        from indexer_topk_bench import shape_call
 
-        S, N, HI, DI, topk = TOPK_SHAPES[shape][:5]
-        args, kw = topk_problem(S, N, HI, DI, 0, fp8=TOPK_SHAPES[shape][5:] == ("fp8",))
-        f = jax.jit(lambda *a: jax_attn_dist.indexer_topk(*a, topk=topk, implementation="cuda", **kw))
-        return run_marked(f, args, path, STEPS)  # the steps a CTA walked: topk_steps, from the marks
+        return run_marked(*shape_call(shape), path, STEPS)  # the steps a CTA walked: topk_steps, from the marks
     from sparse_mla_bench import SPARSE_MLA_SHAPES, sparse_mla_problem
 
     S, N, H, T, D, d_v = SPARSE_MLA_SHAPES[shape]
