@@ -235,14 +235,31 @@ __device__ __forceinline__ KeyScales load_key_scales(const IndexerTopkParams& p,
   return k;
 }
 
+// Block j's place in the key ring: stage j % kStages, that stage's use
+// j / kStages (its barriers' parity). A consumer steps it by kConsumers a
+// block, so that its loop divides once a chunk rather than twice a block.
+template <class Cfg>
+struct KeyRingPos {
+  int stage;
+  uint32_t parity;
+  __device__ __forceinline__ static KeyRingPos of(int j) {
+    return {j % Cfg::kStages, uint32_t((j / Cfg::kStages) & 1)};
+  }
+  __device__ __forceinline__ KeyRingPos advanced() const {  // block j + kConsumers (kConsumers <= kStages)
+    static_assert(kConsumers <= Cfg::kStages, "one wrap a step at most");
+    const int next = stage + kConsumers;
+    return next >= Cfg::kStages ? KeyRingPos{next - Cfg::kStages, parity ^ 1u} : KeyRingPos{next, parity};
+  }
+};
+
 // Issues block j's WGMMA chain over its stage into acc, once the stage has
 // landed (not committed: the caller commits one group per issued block,
 // which its wait counts rely on).
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void issue_block(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
-                                            const FragB& tB, Acc& acc, int j, int q_buffer) {
-  const int stage = j % Cfg::kStages;
-  cutlass::arch::ClusterTransactionBarrier::wait(&plan.full[stage], uint32_t((j / Cfg::kStages) & 1));
+                                            const FragB& tB, Acc& acc, KeyRingPos<Cfg> at, int q_buffer) {
+  const int stage = at.stage;
+  cutlass::arch::ClusterTransactionBarrier::wait(&plan.full[stage], at.parity);
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
   mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -277,15 +294,16 @@ struct LogitsSink {
   uint64_t* q_free = nullptr;
 };
 
-// The logits of block j, whose WGMMAs have completed into acc: the stage
-// released, then each (key, row) sum reduced over its quad and stored by one
-// lane (and counted in the row's first-digit histogram, where fd.on).
+// The logits of the block at ring position at, the chunk's block `slot`,
+// whose WGMMAs have completed into acc: the stage released, then each
+// (key, row) sum reduced over its quad and stored by one lane (and counted in
+// the row's first-digit histogram, where fd.on).
 template <class Cfg, class Acc>
 __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
-                                             const ColumnWeights<Cfg>& weights, const KeyScales& k, int j, int slot,
-                                             int t, const LogitsSink<Cfg>& sink) {
+                                             const ColumnWeights<Cfg>& weights, const KeyScales& k, KeyRingPos<Cfg> at,
+                                             int slot, int t, const LogitsSink<Cfg>& sink) {
   const int warp = t / 32, lane = t % 32, quad = lane % 4;
-  if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[j % Cfg::kStages]);
+  if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[at.stage]);
 
   // part[row][rh]: the thread's columns of each (query row, key) sum. A warp
   // whose keys all have index_k_scale >= 0 (the usual case) takes max(z, 0)
@@ -324,30 +342,29 @@ __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& pla
 // One step of a warpgroup's block loop, two accumulators deep: block blk's
 // WGMMAs are in flight in cur; the warpgroup's next block (blk + 2) is
 // issued into next before blk's epilogue, so that its WGMMAs and its stage's
-// wait run under that epilogue.
+// wait run under that epilogue. at: blk's ring position; k: its key scales,
+// loaded a step ahead.
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
-                                           const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
-                                           Acc& cur, Acc& next, const ColumnWeights<Cfg>& weights, int j0, int ch,
-                                           int blk, int t, const LogitsSink<Cfg>& sink) {
-  const KeyScales k = load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), t);
-  issue_block<Cfg>(plan, mma, tA, tB, next, j0 + blk + kConsumers, sink.q_buffer);
+__device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
+                                           const FragB& tB, Acc& cur, Acc& next, const ColumnWeights<Cfg>& weights,
+                                           const KeyScales& k, KeyRingPos<Cfg> at, int blk, int t,
+                                           const LogitsSink<Cfg>& sink) {
+  issue_block<Cfg>(plan, mma, tA, tB, next, at.advanced(), sink.q_buffer);
   warpgroup_commit_batch();
   warpgroup_wait<1>();  // blk's group has completed
   warpgroup_fence_operand(cur);
-  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t, sink);
+  finish_block<Cfg>(plan, cur, weights, k, at, blk, t, sink);
 }
 
 // The warpgroup's last block of a chunk: nothing behind it.
 template <class Cfg, class Acc>
-__device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
-                                           const CtaProblem& c, Acc& cur, const ColumnWeights<Cfg>& weights, int j0,
-                                           int ch, int blk, int t, const LogitsSink<Cfg>& sink) {
-  const KeyScales k = load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(blk * kBlockKeys), t);
+__device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan, Acc& cur,
+                                           const ColumnWeights<Cfg>& weights, const KeyScales& k, KeyRingPos<Cfg> at,
+                                           int blk, int t, const LogitsSink<Cfg>& sink) {
   warpgroup_wait<0>();
   warpgroup_fence_operand(cur);
   if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
-  finish_block<Cfg>(plan, cur, weights, k, j0 + blk, blk, t, sink);
+  finish_block<Cfg>(plan, cur, weights, k, at, blk, t, sink);
 }
 
 // A warpgroup's blocks of chunk ch (block j0 + blk is this warpgroup's
@@ -365,14 +382,27 @@ __device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& pla
     if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
     return;
   }
-  issue_block<Cfg>(plan, mma, tA, tB, acc0, j0 + blk, sink.q_buffer);
+  // Each block's key scales are loaded one step ahead of its epilogue, so that
+  // the L2 round trip runs under the step before (loaded at the epilogue's
+  // start, it was the consumers' largest stall); the first block's before its
+  // stage wait.
+  auto scales = [&](int b) { return load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(b * kBlockKeys), t); };
+  KeyScales k = scales(blk);
+  KeyRingPos<Cfg> at = KeyRingPos<Cfg>::of(j0 + blk);
+  issue_block<Cfg>(plan, mma, tA, tB, acc0, at, sink.q_buffer);
   warpgroup_commit_batch();
   for (;;) {
-    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc0, weights, j0, ch, blk, t, sink);
-    block_step<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, ch, blk, t, sink);
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, acc0, weights, k, at, blk, t, sink);
+    KeyScales k_next = scales(blk + kConsumers);
+    block_step<Cfg>(plan, mma, tA, tB, acc0, acc1, weights, k, at, blk, t, sink);
+    k = k_next;
+    at = at.advanced();
     blk += kConsumers;
-    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, p, c, acc1, weights, j0, ch, blk, t, sink);
-    block_step<Cfg>(plan, p, c, mma, tA, tB, acc1, acc0, weights, j0, ch, blk, t, sink);
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, acc1, weights, k, at, blk, t, sink);
+    k_next = scales(blk + kConsumers);
+    block_step<Cfg>(plan, mma, tA, tB, acc1, acc0, weights, k, at, blk, t, sink);
+    k = k_next;
+    at = at.advanced();
     blk += kConsumers;
   }
 }
