@@ -114,7 +114,20 @@ struct Config {
   // has itself waited for the stage's previous use before it waits for the
   // next (a parity wait cannot tell a phase from the one two before it, and
   // TMA loads need not land in the order they were issued).
-  static constexpr int kStages = (kMaxDynamicSmem - kSmemAlign - kFixedBytes) / kStageBytes / 2 * 2;
+  // Each stage also holds its keys' index_k_scale (a 1-D TMA beside the key
+  // tiles), so that the consumers read them from shared memory: loaded from
+  // global memory in their loop, they shared a scoreboard with the pair's
+  // weights, and each block's first weight use waited for them. A TMA box
+  // must start 16-byte aligned in global memory, so the box starts at the
+  // block's first key rounded down to 4 and holds 4 scales more; its
+  // shared-memory slot must start 128-byte aligned, so slots are padded.
+  static constexpr int kScaleWords = kBlockKeys + 4;
+  static constexpr int kScaleBytes = kScaleWords * 4;      // the box (the stage's transaction bytes)
+  static constexpr int kScaleSlotWords = 96;               // a slot: kScaleWords rounded up to 128 bytes
+  static_assert(kScaleWords <= kScaleSlotWords && kScaleSlotWords * 4 % 128 == 0 && kScaleBytes % 16 == 0,
+                "a scale box fits its slot, slots start 128-byte aligned, the box is whole 16-byte units");
+  static constexpr int kStages =
+      (kMaxDynamicSmem - kSmemAlign - kFixedBytes) / (kStageBytes + kScaleSlotWords * 4) / 2 * 2;
   static_assert(kStages >= 4, "the key ring needs at least two stages per warpgroup");
   using SmemLayoutK = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Elem>{},
@@ -131,6 +144,7 @@ struct Config {
   struct SharedMemoryPlan {
     alignas(kSmemAlign) Elem q[cute::cosize_v<SmemLayoutQ>];
     alignas(kSmemAlign) Elem k[cute::cosize_v<SmemLayoutK>];
+    alignas(128) float k_scale[kStages][kScaleSlotWords];  // a stage's scales from (b N + key0) & ~3 (past B N: 0)
     Logits logits[kLogitBuffers];             // resident: pair parity (counted over the CTA's selecting pairs)
     uint32_t hist[kHistRows][kHistBins];      // a row's radix histogram
     uint64_t full[kStages];                   // a stage's TMA landed (one arrival + transaction bytes)
@@ -152,6 +166,7 @@ struct Config {
 struct TmaParams {
   CUtensorMap q;  // 4-D (DI, HI, S, B), box (kTile, HT, kRows, 1), SWIZZLE_128B
   CUtensorMap k;  // 3-D (DI, N, B), box (kTile, 64, 1), SWIZZLE_128B
+  CUtensorMap k_scale;  // 1-D (B * N) float32, box 68: a block's index_k_scale (from a 16-byte boundary)
 };
 
 }  // namespace indexer_topk

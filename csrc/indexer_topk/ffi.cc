@@ -56,8 +56,9 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer index_q, ffi::Any
   if (k_stride < 1) return check.Invalid("k_stride must be >= 1, got " + std::to_string(k_stride));
   if (auto e = CheckProblemSize(check, S, N, T, B * S, "B * S"); e.failure()) return e;  // T: topk
   if (B * S * T == 0) return ffi::Error::Success();  // no output element, no launch
-  if (!Aligned16(index_q.untyped_data()) || (N > 0 && !Aligned16(index_k.untyped_data())))
-    return check.Invalid("index_q and index_k must be 16-byte aligned");
+  if (!Aligned16(index_q.untyped_data()) ||
+      (N > 0 && !(Aligned16(index_k.untyped_data()) && Aligned16(index_k_scale.typed_data()))))
+    return check.Invalid("index_q, index_k and index_k_scale must be 16-byte aligned");
 
   IndexerTopkParams p{};
   p.batch = int(B);

@@ -10,7 +10,8 @@
 //             the current block's epilogue. Then WG r selects row r's keys
 //             (select.cuh) and writes them.
 //   WG2       producer: one thread loads index_q by TMA once and streams the
-//             key blocks (dense [64, DI] TMA tiles) through the stage ring.
+//             key blocks (dense [64, DI] TMA tiles, and the keys'
+//             index_k_scale) through the stage ring.
 // A row whose valid keys number at most topk needs no logits: its keys are
 // written directly. Otherwise the pair's keys (the union of its selecting
 // rows' ranges) are computed in chunks of kChunkKeys. One chunk (any N up to
@@ -121,30 +122,39 @@ __device__ __forceinline__ void load_q(typename Cfg::SharedMemoryPlan& plan, con
                            c.batch);
 }
 
-// Block j (keys key0 .. key0 + 63; keys past N are zero-filled) into stage
-// j % kStages, once the consumer has freed it.
+// Block j (keys key0 .. key0 + 63; keys past N are zero-filled) and its
+// keys' index_k_scale into stage j % kStages, once the consumer has freed it.
+// The scales' map is flat over (B, N), its box starting at the 16-byte
+// boundary at or before the block's first key (scale_shift): a block's keys
+// past N read the next batch's (or 0 past the end), and those keys' logits
+// are never counted.
 template <class Cfg>
 __device__ __forceinline__ void load_block(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
-                                           const CtaProblem& c, int key0, int j) {
+                                           const CtaProblem& c, int s_kv, int key0, int j) {
   const int stage = j % Cfg::kStages;
   cutlass::arch::ClusterBarrier::wait(&plan.empty[stage], uint32_t((j / Cfg::kStages) & 1) ^ 1u);
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.full[stage], uint32_t(Cfg::kStageBytes));
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.full[stage],
+                                                                 uint32_t(Cfg::kStageBytes + Cfg::kScaleBytes));
   for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
     SM90_TMA_LOAD_3D::copy(&tma.k, &plan.full[stage], uint64_t(TMA::CacheHintSm90::EVICT_LAST),
                            plan.k + (stage * Cfg::kDimTiles + dt) * kBlockKeys * Cfg::kTile, dt * Cfg::kTile, key0,
                            c.batch);
+  // (B * N + 64 < 2^31: run_variant checks it)
+  SM90_TMA_LOAD_1D::copy(&tma.k_scale, &plan.full[stage], uint64_t(TMA::CacheHintSm90::EVICT_LAST),
+                         plan.k_scale[stage], (c.batch * s_kv + key0) & ~3);
 }
 
 // ---------------------------------------------------------------------------
 // Producer (warp 0 of WG2; lane 0 issues).
 // ---------------------------------------------------------------------------
 template <class Cfg>
-__device__ __forceinline__ void produce(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
-                                        const CtaProblem& c, int lane) {
+__device__ __forceinline__ void produce(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                        const TmaParams& tma, const CtaProblem& c, int lane) {
   if (!c.any_select) return;
   if (lane == 0) {
     cute::prefetch_tma_descriptor(&tma.q);
     cute::prefetch_tma_descriptor(&tma.k);
+    cute::prefetch_tma_descriptor(&tma.k_scale);
     load_q<Cfg>(plan, tma, c, 0);
   }
   int j = 0;  // blocks streamed so far (stage j % kStages, its use j / kStages)
@@ -153,7 +163,7 @@ __device__ __forceinline__ void produce(typename Cfg::SharedMemoryPlan& plan, co
     for (int ch = 0; ch < c.num_chunks; ++ch) {
       const int blocks = c.chunk_blocks(ch);
       if (lane == 0)
-        for (int blk = 0; blk < blocks; ++blk, ++j) load_block<Cfg>(plan, tma, c, int(c.chunk_begin(ch)) + blk * kBlockKeys, j);
+        for (int blk = 0; blk < blocks; ++blk, ++j) load_block<Cfg>(plan, tma, c, p.s_kv, int(c.chunk_begin(ch)) + blk * kBlockKeys, j);
     }
     if (emits) break;
     __syncwarp();
@@ -216,24 +226,11 @@ __device__ __forceinline__ void weighted_head_sums(const Acc& acc, const ColumnW
 }
 
 // A block's keys' index_k_scale (times scale) and signs, for this thread's
-// two keys (accumulator rows 16w + l/4 + 8rh), loaded ahead of their use.
+// two keys (accumulator rows 16w + l/4 + 8rh).
 struct KeyScales {
   float ks[2];
   bool negative[2];
 };
-__device__ __forceinline__ KeyScales load_key_scales(const IndexerTopkParams& p, const CtaProblem& c, uint32_t key0,
-                                                     int t) {
-  const int warp = t / 32, lane = t % 32;
-  KeyScales k;
-  CUTE_UNROLL
-  for (int rh = 0; rh < 2; ++rh) {
-    const uint32_t key = key0 + uint32_t(16 * warp + lane / 4 + 8 * rh);
-    const float v = key < uint32_t(p.s_kv) ? __ldg(p.index_k_scale + int64_t(c.batch) * p.s_kv + key) : 0.f;
-    k.negative[rh] = v < 0.f;
-    k.ks[rh] = v * p.scale;
-  }
-  return k;
-}
 
 // Block j's place in the key ring: stage j % kStages, that stage's use
 // j / kStages (its barriers' parity). A consumer steps it by kConsumers a
@@ -251,6 +248,29 @@ struct KeyRingPos {
     return next >= Cfg::kStages ? KeyRingPos{next - Cfg::kStages, parity ^ 1u} : KeyRingPos{next, parity};
   }
 };
+
+// Where a block's first scale lies in its stage's slot: load_block's box
+// starts at the 16-byte boundary at or before it (the same for every block of
+// a chunk, whose blocks start 64 keys apart).
+__device__ __forceinline__ int scale_shift(const IndexerTopkParams& p, const CtaProblem& c, int ch) {
+  return int((uint32_t(c.batch) * uint32_t(p.s_kv) + c.chunk_begin(ch)) & 3u);  // (mod 2^32: mod 4 alike)
+}
+
+// The scales of the block at ring position at, from its landed stage (read
+// before the warp releases the stage: finish_block).
+template <class Cfg>
+__device__ __forceinline__ KeyScales stage_key_scales(const typename Cfg::SharedMemoryPlan& plan, KeyRingPos<Cfg> at,
+                                                      float scale, int shift, int t) {
+  const int warp = t / 32, lane = t % 32;
+  KeyScales k;
+  CUTE_UNROLL
+  for (int rh = 0; rh < 2; ++rh) {
+    const float v = plan.k_scale[at.stage][shift + 16 * warp + lane / 4 + 8 * rh];
+    k.negative[rh] = v < 0.f;
+    k.ks[rh] = v * scale;
+  }
+  return k;
+}
 
 // Issues block j's WGMMA chain over its stage into acc, once the stage has
 // landed (not committed: the caller commits one group per issued block,
@@ -303,6 +323,10 @@ __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& pla
                                              const ColumnWeights<Cfg>& weights, const KeyScales& k, KeyRingPos<Cfg> at,
                                              int slot, int t, const LogitsSink<Cfg>& sink) {
   const int warp = t / 32, lane = t % 32, quad = lane % 4;
+  // Every lane's generic-proxy read of the stage's scales (stage_key_scales)
+  // ordered before the release, after which TMA (the async proxy) refills it.
+  cutlass::arch::fence_view_async_shared();
+  __syncwarp();
   if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[at.stage]);
 
   // part[row][rh]: the thread's columns of each (query row, key) sum. A warp
@@ -342,13 +366,14 @@ __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& pla
 // One step of a warpgroup's block loop, two accumulators deep: block blk's
 // WGMMAs are in flight in cur; the warpgroup's next block (blk + 2) is
 // issued into next before blk's epilogue, so that its WGMMAs and its stage's
-// wait run under that epilogue. at: blk's ring position; k: its key scales,
-// loaded a step ahead.
+// wait run under that epilogue. at: blk's ring position (its stage landed:
+// issue_block waited for it).
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
                                            const FragB& tB, Acc& cur, Acc& next, const ColumnWeights<Cfg>& weights,
-                                           const KeyScales& k, KeyRingPos<Cfg> at, int blk, int t,
+                                           float scale, int shift, KeyRingPos<Cfg> at, int blk, int t,
                                            const LogitsSink<Cfg>& sink) {
+  const KeyScales k = stage_key_scales<Cfg>(plan, at, scale, shift, t);
   issue_block<Cfg>(plan, mma, tA, tB, next, at.advanced(), sink.q_buffer);
   warpgroup_commit_batch();
   warpgroup_wait<1>();  // blk's group has completed
@@ -359,8 +384,9 @@ __device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan,
 // The warpgroup's last block of a chunk: nothing behind it.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan, Acc& cur,
-                                           const ColumnWeights<Cfg>& weights, const KeyScales& k, KeyRingPos<Cfg> at,
-                                           int blk, int t, const LogitsSink<Cfg>& sink) {
+                                           const ColumnWeights<Cfg>& weights, float scale, int shift,
+                                           KeyRingPos<Cfg> at, int blk, int t, const LogitsSink<Cfg>& sink) {
+  const KeyScales k = stage_key_scales<Cfg>(plan, at, scale, shift, t);
   warpgroup_wait<0>();
   warpgroup_fence_operand(cur);
   if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
@@ -382,26 +408,17 @@ __device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& pla
     if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
     return;
   }
-  // Each block's key scales are loaded one step ahead of its epilogue, so that
-  // the L2 round trip runs under the step before (loaded at the epilogue's
-  // start, it was the consumers' largest stall); the first block's before its
-  // stage wait.
-  auto scales = [&](int b) { return load_key_scales(p, c, c.chunk_begin(ch) + uint32_t(b * kBlockKeys), t); };
-  KeyScales k = scales(blk);
+  const int shift = scale_shift(p, c, ch);
   KeyRingPos<Cfg> at = KeyRingPos<Cfg>::of(j0 + blk);
   issue_block<Cfg>(plan, mma, tA, tB, acc0, at, sink.q_buffer);
   warpgroup_commit_batch();
   for (;;) {
-    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, acc0, weights, k, at, blk, t, sink);
-    KeyScales k_next = scales(blk + kConsumers);
-    block_step<Cfg>(plan, mma, tA, tB, acc0, acc1, weights, k, at, blk, t, sink);
-    k = k_next;
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, acc0, weights, p.scale, shift, at, blk, t, sink);
+    block_step<Cfg>(plan, mma, tA, tB, acc0, acc1, weights, p.scale, shift, at, blk, t, sink);
     at = at.advanced();
     blk += kConsumers;
-    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, acc1, weights, k, at, blk, t, sink);
-    k_next = scales(blk + kConsumers);
-    block_step<Cfg>(plan, mma, tA, tB, acc1, acc0, weights, k, at, blk, t, sink);
-    k = k_next;
+    if (blk + kConsumers >= blocks) return block_last<Cfg>(plan, acc1, weights, p.scale, shift, at, blk, t, sink);
+    block_step<Cfg>(plan, mma, tA, tB, acc1, acc0, weights, p.scale, shift, at, blk, t, sink);
     at = at.advanced();
     blk += kConsumers;
   }
@@ -550,13 +567,14 @@ __device__ __forceinline__ void produce_resident(typename Cfg::SharedMemoryPlan&
     if (used == 0) {  // (with N = 0 no pair selects, and the key map was never encoded)
       cute::prefetch_tma_descriptor(&tma.q);
       cute::prefetch_tma_descriptor(&tma.k);
+      cute::prefetch_tma_descriptor(&tma.k_scale);
     }
     // The pair's Q once both consumers' WGMMAs of the pair two before are done.
     const int qb = used & 1;
     cutlass::arch::ClusterBarrier::wait(&plan.q_free[qb], uint32_t((used >> 1) & 1) ^ 1u);
     load_q<Cfg>(plan, tma, c, qb);
     const int blocks = c.chunk_blocks(0);
-    for (int blk = 0; blk < blocks; ++blk, ++j) load_block<Cfg>(plan, tma, c, int(c.begin) + blk * kBlockKeys, j);
+    for (int blk = 0; blk < blocks; ++blk, ++j) load_block<Cfg>(plan, tma, c, p.s_kv, int(c.begin) + blk * kBlockKeys, j);
   });
 }
 
@@ -693,7 +711,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int t = int(threadIdx.x) % kWarpgroupThreads;
   if (wg == kConsumers) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (t < 32) produce<Cfg>(plan, tma, cta, t);
+    if (t < 32) produce<Cfg>(plan, params, tma, cta, t);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     consume<Cfg>(plan, params, cta, wg, t);
@@ -730,6 +748,23 @@ LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const 
         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
       *detail = "cuTensorMapEncodeTiled failed for the index_k map";
+      return LaunchStatus::kTensorMapError;
+    }
+    // index_k_scale flat over (B, N): a block's scales from (batch * N + key0) & ~3
+    // (an int32 coordinate: index_k alone would be past 256 GiB before this fails).
+    if (int64_t(p.batch) * p.s_kv + kBlockKeys > int64_t(INT32_MAX)) {
+      *detail = "B * N must be below 2^31 - 64 (the index_k_scale map's coordinates)";
+      return LaunchStatus::kInvalidProblem;
+    }
+    const uint64_t scale_dims[1] = {uint64_t(p.batch) * uint64_t(p.s_kv)};
+    const uint64_t scale_strides[1] = {0};  // (rank 1: none is read)
+    const uint32_t scale_box[1] = {uint32_t(Cfg::kScaleWords)};
+    const CUresult rs = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+        &tma.k_scale, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(p.index_k_scale), scale_dims,
+        scale_strides, scale_box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+        CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (rs != CUDA_SUCCESS) {
+      *detail = "cuTensorMapEncodeTiled failed for the index_k_scale map (its address must be 16-byte aligned)";
       return LaunchStatus::kTensorMapError;
     }
   }

@@ -102,10 +102,14 @@ CASES = [
 # kernel is resident (one CTA per SM over its pairs): the 1500-row batches
 # give each CTA about eleven pairs, selecting and not (the first q_start's
 # early rows see no key or fewer than topk); S = 300 about one and a bit; the
-# smaller cases run the multi-pass kernel.
+# smaller cases run the multi-pass kernel. N = 6001 and 20003: the batch
+# elements past the first start their keys (and scales) off a 16-byte
+# boundary.
 FP8_CASES = [
     Case(S=300, N=5000, topk=2048),
     Case(S=1500, N=6000, topk=512, B=2, q_start=(-700, 100)),
+    Case(S=1500, N=6001, topk=512, B=2, q_start=(-700, 100)),
+    Case(S=40, N=20003, topk=512, B=3, per_batch_q_start=True),
     Case(S=128, N=3000, topk=64, B=2, per_batch_q_start=True),
     Case(S=33, N=2047, topk=2048, causal=False),
     Case(S=24, N=20000, topk=2048, causal=False),
@@ -189,25 +193,48 @@ def test_fewer_heads_than_the_variant(heads, dtype):
         check_selection(_kernel(iq, ik, w, kw, case.topk), iq, ik, w, kw, case.topk, **rtol)
 
 
-def test_kernel_with_key_scales_and_bf16_weights():
-    case = Case(S=64, N=3000, topk=256, causal=False)
+@pytest.mark.parametrize("case", [Case(S=64, N=3000, topk=256, causal=False),
+                                  Case(S=64, N=3001, topk=256, B=3, causal=False)], ids=lambda c: c.name)
+def test_kernel_with_key_scales_and_bf16_weights(case):
     iq, ik, w, kw = _inputs(case, key_scale=True, weights_dtype=jnp.bfloat16)
     check_selection(_kernel(iq, ik, w, kw, case.topk), iq, ik, w, kw, case.topk)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_packed_rows(causal):
+def test_packed_rows(causal, dtype):
+    """Packed sequences with distinct key scales; the selecting one's keys
+    start at 1001, off a 16-byte boundary (the multi-pass kernels: 128 row
+    pairs)."""
     S, N, topk = 256, 3000, 512
-    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-packed", causal), S=S, HI=HI, DI=DI, N=N, causal=causal)
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-packed", causal, str(jnp.dtype(dtype))), S=S, HI=HI, DI=DI,
+                                     N=N, causal=causal, dtype=dtype, key_scale=True)
+    rtol = {} if dtype == jnp.bfloat16 else dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
     cu_q = np.asarray([0, 40, 41, 180, 250], np.int32)          # rows 250.. are padding
     cu_k = np.asarray([0, 1000, 1001, 2900, 3000], np.int32)
     kw = dict(kw, q_start_index=np.asarray([0, 7, 960, 30], np.int32))
     packing = dict(cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
     got = _kernel(iq, ik, w, kw, topk, **packing)
-    check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
     assert np.all(np.asarray(got)[250:] == -1)
     xla = jax.jit(lambda a, b, c: indexer_topk(a, b, c, topk=topk, implementation="xla", **kw, **packing))(iq, ik, w)
-    check_selection(xla, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    check_selection(xla, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
+
+
+def test_packed_rows_resident_fp8():
+    """The resident float8 kernel (300 row pairs, N <= 8192) on packed rows:
+    the second sequence's keys start at key 2999, off a 16-byte boundary,
+    with distinct key scales; every row selects."""
+    S, N, topk = 600, 6000, 256
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-packed-resident"), S=S, HI=HI, DI=DI, N=N, dtype=FP8)
+    cu_q = np.asarray([0, 300, 600], np.int32)
+    cu_k = np.asarray([0, 2999, 6000], np.int32)
+    kw = dict(kw, q_start_index=np.asarray([500, 1000], np.int32))
+    packing = dict(cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
+    got = _kernel(iq, ik, w, kw, topk, **packing)
+    logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    assert_row_kinds(logits, topk, ("select",))
 
 
 # SPEC §6.3 through the public API: (name, cu_seqlens_q, cu_seqlens_k, the
