@@ -47,10 +47,11 @@ static_assert(register_budgets_fit(kThreads, 1, kConsumers * kWarpgroupThreads, 
                                    kProducerRegs),
               "setmaxnreg budgets exceed the CTA's register allocation");
 // The resident kernel's four warpgroups share 128 a thread: the consumers'
-// code needs 208 (its highest register is R207), the selector 72.
+// code needs 208 (its highest register is R207), the selector 56 (R49); the
+// producer's thread, which also walks the pairs, spills at 24.
 constexpr int kResidentConsumerRegs = 208;
-constexpr int kResidentProducerRegs = 24;
-constexpr int kResidentSelectorRegs = 72;
+constexpr int kResidentProducerRegs = 40;
+constexpr int kResidentSelectorRegs = 56;
 static_assert(register_budgets_fit(kResidentThreads, 1, kConsumers * kWarpgroupThreads, kResidentConsumerRegs,
                                    kWarpgroupThreads, kResidentProducerRegs, kWarpgroupThreads,
                                    kResidentSelectorRegs),
@@ -92,12 +93,6 @@ struct Config {
 
   // Q: the two rows' heads (row-major (row, head)), all DI dims, K-major with
   // the 128-byte swizzle, one (kMmaN x kTile) tile per dim tile. Written by TMA.
-  // Resident: two Q buffers (pair parity), so that a pair's Q lands while
-  // the consumers finish the previous pair.
-  static constexpr int kQBuffers = kResident ? 2 : 1;
-  using SmemLayoutQ = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<Elem>{},
-      cute::Shape<cute::Int<kMmaN>, cute::Int<kTile>, cute::Int<kQBuffers * kDimTiles>>{}));
   static constexpr int kQTileBytes = kMmaN * 128;
   static constexpr int kQBytes = kQTileBytes * kDimTiles;  // one buffer
 
@@ -107,13 +102,32 @@ struct Config {
   static constexpr int kLogitRowWords = kChunkKeys + kLogitPad;
   static constexpr int kLogitBuffers = kResident ? 2 : 1;
   static constexpr int kHistRows = kResident ? 1 : kRows;  // the selector takes its rows one at a time
-  static constexpr int kFixedBytes =
-      kQBuffers * kQBytes + kLogitBuffers * kRows * kLogitRowWords * 4 + kHistRows * kHistBins * 4 + 1024;
-  // An even number of stages: block j goes to stage j % kStages and to
-  // warpgroup j % 2, so each stage is only ever read by one warpgroup, which
-  // has itself waited for the stage's previous use before it waits for the
-  // next (a parity wait cannot tell a phase from the one two before it, and
-  // TMA loads need not land in the order they were issued).
+  // Each stage also holds its keys' index_k_scale (below): its slot's bytes.
+  static constexpr int kScaleSlotWords = 96;               // a slot: the box rounded up to 128 bytes
+  static constexpr int kStageSlotBytes = kStageBytes + kScaleSlotWords * 4;
+  static constexpr int fixed_bytes(int q_buffers) {
+    return q_buffers * kQBytes + kLogitBuffers * kRows * kLogitRowWords * 4 + kHistRows * kHistBins * 4 + 1024;
+  }
+  // Resident: two Q buffers (pair parity), so that a pair's Q lands while
+  // the consumers finish the previous pair, where they leave room for four
+  // stages (float8); else one (bf16, whose Q and key tiles are twice the
+  // size: the pair's Q loads once the previous pair's WGMMAs are done).
+  static constexpr int kQBuffers =
+      kResident && (kMaxDynamicSmem - kSmemAlign - fixed_bytes(2)) / kStageSlotBytes >= 4 ? 2 : 1;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Elem>{},
+      cute::Shape<cute::Int<kMmaN>, cute::Int<kTile>, cute::Int<kQBuffers * kDimTiles>>{}));
+  static constexpr int kFixedBytes = fixed_bytes(kQBuffers);
+  // Block j goes to stage j % kStages and to warpgroup j % 2. A consumer's
+  // parity wait cannot tell a phase from the one two before it, and TMA
+  // loads need not land in the order they were issued, so each full barrier
+  // is waited on by one warpgroup only, which has itself waited for the
+  // barrier's previous phase: with an even number of stages a stage's
+  // blocks all go to one warpgroup and each stage has one full barrier; with
+  // an odd number (the resident bf16 plan, 3) a stage's blocks alternate
+  // between the warpgroups, and block j lands on full barrier
+  // j % (2 kStages), the (stage, warpgroup) pair's own. The multi-pass plan
+  // keeps an even number.
   // Each stage also holds its keys' index_k_scale (a 1-D TMA beside the key
   // tiles), so that the consumers read them from shared memory: loaded from
   // global memory in their loop, they shared a scoreboard with the pair's
@@ -123,12 +137,14 @@ struct Config {
   // shared-memory slot must start 128-byte aligned, so slots are padded.
   static constexpr int kScaleWords = kBlockKeys + 4;
   static constexpr int kScaleBytes = kScaleWords * 4;      // the box (the stage's transaction bytes)
-  static constexpr int kScaleSlotWords = 96;               // a slot: kScaleWords rounded up to 128 bytes
   static_assert(kScaleWords <= kScaleSlotWords && kScaleSlotWords * 4 % 128 == 0 && kScaleBytes % 16 == 0,
                 "a scale box fits its slot, slots start 128-byte aligned, the box is whole 16-byte units");
-  static constexpr int kStages =
-      (kMaxDynamicSmem - kSmemAlign - kFixedBytes) / (kStageBytes + kScaleSlotWords * 4) / 2 * 2;
-  static_assert(kStages >= 4, "the key ring needs at least two stages per warpgroup");
+  static constexpr int kStages = (kMaxDynamicSmem - kSmemAlign - kFixedBytes) / kStageSlotBytes / (kResident ? 1 : 2) *
+                                 (kResident ? 1 : 2);
+  static_assert(kStages >= 3, "the key ring needs a stage beyond the two blocks in flight");
+  // Full barriers: a (stage, warpgroup) pair's own (above); block j lands on
+  // full[j % kRingPeriod], the barrier's phase j / kRingPeriod.
+  static constexpr int kRingPeriod = kStages % kConsumers == 0 ? kStages : kStages * kConsumers;
   using SmemLayoutK = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Elem>{},
       cute::Shape<cute::Int<kBlockKeys>, cute::Int<kTile>, cute::Int<kStages * kDimTiles>>{}));
@@ -147,8 +163,8 @@ struct Config {
     alignas(128) float k_scale[kStages][kScaleSlotWords];  // a stage's scales from (b N + key0) & ~3 (past B N: 0)
     Logits logits[kLogitBuffers];             // resident: pair parity (counted over the CTA's selecting pairs)
     uint32_t hist[kHistRows][kHistBins];      // a row's radix histogram
-    uint64_t full[kStages];                   // a stage's TMA landed (one arrival + transaction bytes)
-    uint64_t empty[kStages];                  // the 4 warps of the consuming warpgroup read it
+    uint64_t full[kRingPeriod];               // a block's TMA landed (one arrival + transaction bytes)
+    uint64_t empty[kStages];                  // the 4 warps of the consuming warpgroup read the stage
     uint64_t q_ready[kQBuffers];              // a Q buffer landed
     uint64_t q_free[kQBuffers];               // resident: both consumers' WGMMAs of its pair done (8 warps)
     uint64_t logits_full[kLogitBuffers];      // resident: a buffer's logits stored (the 256 consumer threads)

@@ -104,10 +104,9 @@ constexpr int kPassThreads = kConsumers * kWarpgroupThreads + 32;  // + the prod
 // Q buffer's landing barrier (the barriers both kernels share).
 template <class Cfg>
 __device__ __forceinline__ void init_ring_and_q(typename Cfg::SharedMemoryPlan& plan) {
-  for (int i = 0; i < Cfg::kStages; ++i) {
-    cutlass::arch::ClusterBarrier::init(&plan.full[i], 1);
+  for (int i = 0; i < Cfg::kRingPeriod; ++i) cutlass::arch::ClusterBarrier::init(&plan.full[i], 1);
+  for (int i = 0; i < Cfg::kStages; ++i)
     cutlass::arch::ClusterBarrier::init(&plan.empty[i], 4);  // the consuming warpgroup's warps
-  }
   for (int i = 0; i < Cfg::kQBuffers; ++i) cutlass::arch::ClusterBarrier::init(&plan.q_ready[i], 1);
 }
 
@@ -123,7 +122,8 @@ __device__ __forceinline__ void load_q(typename Cfg::SharedMemoryPlan& plan, con
 }
 
 // Block j (keys key0 .. key0 + 63; keys past N are zero-filled) and its
-// keys' index_k_scale into stage j % kStages, once the consumer has freed it.
+// keys' index_k_scale into stage j % kStages, once the consumer has freed it,
+// landing on full barrier j % kRingPeriod (config.h).
 // The scales' map is flat over (B, N), its box starting at the 16-byte
 // boundary at or before the block's first key (scale_shift): a block's keys
 // past N read the next batch's (or 0 past the end), and those keys' logits
@@ -132,16 +132,16 @@ template <class Cfg>
 __device__ __forceinline__ void load_block(typename Cfg::SharedMemoryPlan& plan, const TmaParams& tma,
                                            const CtaProblem& c, int s_kv, int key0, int j) {
   const int stage = j % Cfg::kStages;
+  uint64_t* full = &plan.full[j % Cfg::kRingPeriod];
   cutlass::arch::ClusterBarrier::wait(&plan.empty[stage], uint32_t((j / Cfg::kStages) & 1) ^ 1u);
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&plan.full[stage],
-                                                                 uint32_t(Cfg::kStageBytes + Cfg::kScaleBytes));
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, uint32_t(Cfg::kStageBytes + Cfg::kScaleBytes));
   for (int dt = 0; dt < Cfg::kDimTiles; ++dt)
-    SM90_TMA_LOAD_3D::copy(&tma.k, &plan.full[stage], uint64_t(TMA::CacheHintSm90::EVICT_LAST),
+    SM90_TMA_LOAD_3D::copy(&tma.k, full, uint64_t(TMA::CacheHintSm90::EVICT_LAST),
                            plan.k + (stage * Cfg::kDimTiles + dt) * kBlockKeys * Cfg::kTile, dt * Cfg::kTile, key0,
                            c.batch);
   // (B * N + 64 < 2^31: run_variant checks it)
-  SM90_TMA_LOAD_1D::copy(&tma.k_scale, &plan.full[stage], uint64_t(TMA::CacheHintSm90::EVICT_LAST),
-                         plan.k_scale[stage], (c.batch * s_kv + key0) & ~3);
+  SM90_TMA_LOAD_1D::copy(&tma.k_scale, full, uint64_t(TMA::CacheHintSm90::EVICT_LAST), plan.k_scale[stage],
+                         (c.batch * s_kv + key0) & ~3);
 }
 
 // ---------------------------------------------------------------------------
@@ -232,20 +232,27 @@ struct KeyScales {
   bool negative[2];
 };
 
-// Block j's place in the key ring: stage j % kStages, that stage's use
-// j / kStages (its barriers' parity). A consumer steps it by kConsumers a
-// block, so that its loop divides once a chunk rather than twice a block.
+// Block j's place in the key ring: its full barrier j % kRingPeriod and
+// that barrier's phase parity (j / kRingPeriod), and its stage j % kStages
+// (the same where kRingPeriod = kStages; config.h). A consumer steps it by
+// kConsumers a block, so that its loop divides once a chunk rather than
+// twice a block.
 template <class Cfg>
 struct KeyRingPos {
-  int stage;
+  int slot;
   uint32_t parity;
   __device__ __forceinline__ static KeyRingPos of(int j) {
-    return {j % Cfg::kStages, uint32_t((j / Cfg::kStages) & 1)};
+    return {j % Cfg::kRingPeriod, uint32_t((j / Cfg::kRingPeriod) & 1)};
   }
-  __device__ __forceinline__ KeyRingPos advanced() const {  // block j + kConsumers (kConsumers <= kStages)
-    static_assert(kConsumers <= Cfg::kStages, "one wrap a step at most");
-    const int next = stage + kConsumers;
-    return next >= Cfg::kStages ? KeyRingPos{next - Cfg::kStages, parity ^ 1u} : KeyRingPos{next, parity};
+  __device__ __forceinline__ int stage() const {
+    static_assert(Cfg::kRingPeriod == Cfg::kStages || Cfg::kRingPeriod == 2 * Cfg::kStages, "config.h's periods");
+    if constexpr (Cfg::kRingPeriod == Cfg::kStages) return slot;
+    else return slot < Cfg::kStages ? slot : slot - Cfg::kStages;
+  }
+  __device__ __forceinline__ KeyRingPos advanced() const {  // block j + kConsumers (kConsumers <= kRingPeriod)
+    static_assert(kConsumers <= Cfg::kRingPeriod, "one wrap a step at most");
+    const int next = slot + kConsumers;
+    return next >= Cfg::kRingPeriod ? KeyRingPos{next - Cfg::kRingPeriod, parity ^ 1u} : KeyRingPos{next, parity};
   }
 };
 
@@ -265,7 +272,7 @@ __device__ __forceinline__ KeyScales stage_key_scales(const typename Cfg::Shared
   KeyScales k;
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
-    const float v = plan.k_scale[at.stage][shift + 16 * warp + lane / 4 + 8 * rh];
+    const float v = plan.k_scale[at.stage()][shift + 16 * warp + lane / 4 + 8 * rh];
     k.negative[rh] = v < 0.f;
     k.ks[rh] = v * scale;
   }
@@ -278,8 +285,8 @@ __device__ __forceinline__ KeyScales stage_key_scales(const typename Cfg::Shared
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void issue_block(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
                                             const FragB& tB, Acc& acc, KeyRingPos<Cfg> at, int q_buffer) {
-  const int stage = at.stage;
-  cutlass::arch::ClusterTransactionBarrier::wait(&plan.full[stage], at.parity);
+  const int stage = at.stage();
+  cutlass::arch::ClusterTransactionBarrier::wait(&plan.full[at.slot], at.parity);
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
   mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -314,20 +321,26 @@ struct LogitsSink {
   uint64_t* q_free = nullptr;
 };
 
-// The logits of the block at ring position at, the chunk's block `slot`,
-// whose WGMMAs have completed into acc: the stage released, then each
-// (key, row) sum reduced over its quad and stored by one lane (and counted in
-// the row's first-digit histogram, where fd.on).
-template <class Cfg, class Acc>
-__device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
-                                             const ColumnWeights<Cfg>& weights, const KeyScales& k, KeyRingPos<Cfg> at,
-                                             int slot, int t, const LogitsSink<Cfg>& sink) {
-  const int warp = t / 32, lane = t % 32, quad = lane % 4;
+// The warp frees the stage of the block at ring position at, once the
+// block's WGMMAs have completed and its scales are read.
+template <class Cfg>
+__device__ __forceinline__ void release_stage(typename Cfg::SharedMemoryPlan& plan, KeyRingPos<Cfg> at, int t) {
   // Every lane's generic-proxy read of the stage's scales (stage_key_scales)
   // ordered before the release, after which TMA (the async proxy) refills it.
   cutlass::arch::fence_view_async_shared();
   __syncwarp();
-  if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[at.stage]);
+  if (t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[at.stage()]);
+}
+
+// The logits of the chunk's block `slot`, whose WGMMAs have completed into
+// acc (its stage released): each (key, row) sum reduced over its quad and
+// stored by one lane (and counted in the row's first-digit histogram, where
+// fd.on).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
+                                             const ColumnWeights<Cfg>& weights, const KeyScales& k, int slot, int t,
+                                             const LogitsSink<Cfg>& sink) {
+  const int warp = t / 32, lane = t % 32, quad = lane % 4;
 
   // part[row][rh]: the thread's columns of each (query row, key) sum. A warp
   // whose keys all have index_k_scale >= 0 (the usual case) takes max(z, 0)
@@ -365,20 +378,33 @@ __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& pla
 
 // One step of a warpgroup's block loop, two accumulators deep: block blk's
 // WGMMAs are in flight in cur; the warpgroup's next block (blk + 2) is
-// issued into next before blk's epilogue, so that its WGMMAs and its stage's
-// wait run under that epilogue. at: blk's ring position (its stage landed:
-// issue_block waited for it).
+// issued into next before blk's epilogue, so that its WGMMAs run under that
+// epilogue. at: blk's ring position (its stage landed: issue_block waited
+// for it). With an even number of stages the next block's stage wait runs
+// under blk's WGMMAs too. With an odd number (3: one block of each
+// warpgroup and one landing) blk's stage is freed first: the next block's
+// stage is the one the other warpgroup frees, so waiting for it while
+// holding blk's would let one load at a time land.
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
                                            const FragB& tB, Acc& cur, Acc& next, const ColumnWeights<Cfg>& weights,
                                            float scale, int shift, KeyRingPos<Cfg> at, int blk, int t,
                                            const LogitsSink<Cfg>& sink) {
   const KeyScales k = stage_key_scales<Cfg>(plan, at, scale, shift, t);
-  issue_block<Cfg>(plan, mma, tA, tB, next, at.advanced(), sink.q_buffer);
-  warpgroup_commit_batch();
-  warpgroup_wait<1>();  // blk's group has completed
-  warpgroup_fence_operand(cur);
-  finish_block<Cfg>(plan, cur, weights, k, at, blk, t, sink);
+  if constexpr (Cfg::kStages % kConsumers == 0) {
+    issue_block<Cfg>(plan, mma, tA, tB, next, at.advanced(), sink.q_buffer);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // blk's group has completed
+    warpgroup_fence_operand(cur);
+    release_stage<Cfg>(plan, at, t);
+  } else {
+    warpgroup_wait<0>();  // blk's group has completed
+    warpgroup_fence_operand(cur);
+    release_stage<Cfg>(plan, at, t);
+    issue_block<Cfg>(plan, mma, tA, tB, next, at.advanced(), sink.q_buffer);
+    warpgroup_commit_batch();
+  }
+  finish_block<Cfg>(plan, cur, weights, k, blk, t, sink);
 }
 
 // The warpgroup's last block of a chunk: nothing behind it.
@@ -390,7 +416,8 @@ __device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan,
   warpgroup_wait<0>();
   warpgroup_fence_operand(cur);
   if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
-  finish_block<Cfg>(plan, cur, weights, k, at, blk, t, sink);
+  release_stage<Cfg>(plan, at, t);
+  finish_block<Cfg>(plan, cur, weights, k, blk, t, sink);
 }
 
 // A warpgroup's blocks of chunk ch (block j0 + blk is this warpgroup's
@@ -569,12 +596,21 @@ __device__ __forceinline__ void produce_resident(typename Cfg::SharedMemoryPlan&
       cute::prefetch_tma_descriptor(&tma.k);
       cute::prefetch_tma_descriptor(&tma.k_scale);
     }
-    // The pair's Q once both consumers' WGMMAs of the pair two before are done.
-    const int qb = used & 1;
-    cutlass::arch::ClusterBarrier::wait(&plan.q_free[qb], uint32_t((used >> 1) & 1) ^ 1u);
-    load_q<Cfg>(plan, tma, c, qb);
+    // The pair's Q once both consumers' WGMMAs of the pair kQBuffers before
+    // are done. With one Q buffer that is the previous pair: its Q goes to L2
+    // first, and the stages the previous pair's last blocks free take the
+    // pair's first blocks before the wait.
+    const int qb = used % Cfg::kQBuffers;
     const int blocks = c.chunk_blocks(0);
-    for (int blk = 0; blk < blocks; ++blk, ++j) load_block<Cfg>(plan, tma, c, p.s_kv, int(c.begin) + blk * kBlockKeys, j);
+    int blk = 0;
+    if constexpr (Cfg::kQBuffers == 1) {
+      for (int dt = 0; dt < Cfg::kDimTiles; ++dt) SM90_TMA_LOAD_4D::PREFETCH::copy(&tma.q, dt * Cfg::kTile, 0, c.s0, c.batch);
+      for (; blk < min(blocks, Cfg::kStages - 1); ++blk, ++j)
+        load_block<Cfg>(plan, tma, c, p.s_kv, int(c.begin) + blk * kBlockKeys, j);
+    }
+    cutlass::arch::ClusterBarrier::wait(&plan.q_free[qb], uint32_t((used / Cfg::kQBuffers) & 1) ^ 1u);
+    load_q<Cfg>(plan, tma, c, qb);
+    for (; blk < blocks; ++blk, ++j) load_block<Cfg>(plan, tma, c, p.s_kv, int(c.begin) + blk * kBlockKeys, j);
   });
 }
 
@@ -596,13 +632,13 @@ __device__ __forceinline__ void consume_resident(typename Cfg::SharedMemoryPlan&
     mark(kConsumerTop);
     ColumnWeights<Cfg> weights;
     weights.load(p, c, lane);
-    const int b = used & 1;
+    const int b = used & 1, qb = used % Cfg::kQBuffers;
     cutlass::arch::ClusterBarrier::wait(&plan.logits_free[b], uint32_t((used >> 1) & 1) ^ 1u);
     mark(kLogitsFreeWaited);
-    cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready[b], uint32_t((used >> 1) & 1));
+    cutlass::arch::ClusterTransactionBarrier::wait(&plan.q_ready[qb], uint32_t((used / Cfg::kQBuffers) & 1));
     mark(kQLanded);
     chunk_logits<Cfg>(plan, p, c, mma, tA, tB, acc0, acc1, weights, j0, 0, wg, t,
-                      LogitsSink<Cfg>{&plan.logits[b], {}, b, &plan.q_free[b]});
+                      LogitsSink<Cfg>{&plan.logits[b], {}, qb, &plan.q_free[qb]});
     mark(kLogitsStored);
     j0 += c.chunk_blocks(0);
     cutlass::arch::ClusterBarrier::arrive(&plan.logits_full[b]);  // this thread's logits stored
@@ -769,21 +805,18 @@ LaunchStatus run_variant(const IndexerTopkParams& p, cudaStream_t stream, const 
     }
   }
   const int64_t pairs = int64_t(p.batch) * ((int64_t(p.s_q) + 1) / 2);
-  if constexpr (std::is_same_v<typename Cfg::Elem, fp8>) {
-    // Every pair's keys fit one chunk and some SM gets more than one pair:
-    // one resident CTA per SM, selecting beside the next pair's logits (the
-    // float8 plan has room for two logits buffers; bf16's larger Q and key
-    // tiles leave none). With a pair per SM there is nothing to overlap; the
-    // multi-pass kernel selects a pair's two rows side by side.
-    const int sms = device_sm_count();  // 0 if the query failed: the multi-pass kernel
-    if (p.s_kv <= kChunkKeys && sms > 0 && pairs > sms) {
-      using Resident = Config<Cfg::DI, Cfg::HT, fp8, true>;
-      const timeline::Recorder timeline(stream);
-      const LaunchStatus status = launch_kernel(&indexer_topk_resident_kernel<Resident>, int64_t(sms),
-                                                kResidentThreads, Resident::kSmemBytes, stream, detail, p, tma);
-      timeline.write(stream);
-      return status;
-    }
+  // Every pair's keys fit one chunk and some SM gets more than one pair: one
+  // resident CTA per SM, selecting beside the next pair's logits. With a
+  // pair per SM there is nothing to overlap; the multi-pass kernel selects a
+  // pair's two rows side by side.
+  const int sms = device_sm_count();  // 0 if the query failed: the multi-pass kernel
+  if (p.s_kv <= kChunkKeys && sms > 0 && pairs > sms) {
+    using Resident = Config<Cfg::DI, Cfg::HT, typename Cfg::Elem, true>;
+    const timeline::Recorder timeline(stream);
+    const LaunchStatus status = launch_kernel(&indexer_topk_resident_kernel<Resident>, int64_t(sms), kResidentThreads,
+                                              Resident::kSmemBytes, stream, detail, p, tma);
+    timeline.write(stream);
+    return status;
   }
   return launch_kernel(&indexer_topk_kernel<Cfg>, pairs, kThreads, Cfg::kSmemBytes, stream, detail, p, tma);
 }

@@ -97,18 +97,24 @@ CASES = [
     Case(S=40, N=20000, topk=512, B=2, per_batch_q_start=True),
 ] + LIMIT_CASES + SHORT_ROW_CASES
 
-# float8 inputs (with index_k_scale): one chunk, batch, and several chunks.
-# Where N fits one chunk and the row pairs outnumber the SMs, the float8
-# kernel is resident (one CTA per SM over its pairs): the 1500-row batches
-# give each CTA about eleven pairs, selecting and not (the first q_start's
-# early rows see no key or fewer than topk); S = 300 about one and a bit; the
-# smaller cases run the multi-pass kernel. N = 6001 and 20003: the batch
-# elements past the first start their keys (and scales) off a 16-byte
-# boundary.
-FP8_CASES = [
-    Case(S=300, N=5000, topk=2048),
+# Where N fits one chunk and the row pairs outnumber the SMs, the kernel is
+# resident (one CTA per SM over its pairs): the 1500-row batches give each
+# CTA about eleven pairs, selecting and not (the first q_start's early rows
+# see no key or fewer than topk); S = 300 about one and a bit; the smaller
+# cases run the multi-pass kernel. N = 6001: the second batch element starts
+# its keys (and scales) off a 16-byte boundary.
+RESIDENT_CASES = [
     Case(S=1500, N=6000, topk=512, B=2, q_start=(-700, 100)),
     Case(S=1500, N=6001, topk=512, B=2, q_start=(-700, 100)),
+]
+CASES += RESIDENT_CASES
+
+# float8 inputs (with index_k_scale): one chunk, batch, and several chunks,
+# resident and not. N = 20003: the batch elements past the first start their
+# keys off a 16-byte boundary.
+FP8_CASES = [
+    Case(S=300, N=5000, topk=2048),
+    *RESIDENT_CASES,
     Case(S=40, N=20003, topk=512, B=3, per_batch_q_start=True),
     Case(S=128, N=3000, topk=64, B=2, per_batch_q_start=True),
     Case(S=33, N=2047, topk=2048, causal=False),
@@ -221,19 +227,21 @@ def test_packed_rows(causal, dtype):
     check_selection(xla, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
 
 
-def test_packed_rows_resident_fp8():
-    """The resident float8 kernel (300 row pairs, N <= 8192) on packed rows:
-    the second sequence's keys start at key 2999, off a 16-byte boundary,
-    with distinct key scales; every row selects."""
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_packed_rows_resident(dtype):
+    """The resident kernel (300 row pairs, N <= 8192) on packed rows: the
+    second sequence's keys start at key 2999, off a 16-byte boundary, with
+    distinct key scales; every row selects."""
     S, N, topk = 600, 6000, 256
-    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-packed-resident"), S=S, HI=HI, DI=DI, N=N, dtype=FP8)
+    seed = seed_of("topk-gpu-packed-resident") if dtype == FP8 else seed_of("topk-gpu-packed-resident", "bf16")
+    iq, ik, w, kw = make_topk_inputs(seed, S=S, HI=HI, DI=DI, N=N, dtype=dtype, key_scale=True)
+    rtol = {} if dtype == jnp.bfloat16 else dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
     cu_q = np.asarray([0, 300, 600], np.int32)
     cu_k = np.asarray([0, 2999, 6000], np.int32)
     kw = dict(kw, q_start_index=np.asarray([500, 1000], np.int32))
     packing = dict(cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
     got = _kernel(iq, ik, w, kw, topk, **packing)
-    logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                             rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
     assert_row_kinds(logits, topk, ("select",))
 
 
@@ -327,12 +335,13 @@ def test_exact_ties_go_to_the_smaller_key(topk):
     _check_ties_among_copies("topk-gpu-ties", topk, S=48)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("topk", [512, 2048])
-def test_fp8_resident_exact_ties(topk):
-    """The same in the float8 resident kernel (300 row pairs, more than the
-    SMs): the cut falls among the copies, every radix round down to the last
-    bit."""
-    _check_ties_among_copies("topk-gpu-fp8-ties", topk, S=600, dtype=FP8)
+def test_resident_exact_ties(topk, dtype):
+    """The same in the resident kernel (300 row pairs, more than the SMs):
+    the cut falls among the copies, every radix round down to the last bit."""
+    name = "topk-gpu-fp8-ties" if dtype == FP8 else "topk-gpu-resident-ties"
+    _check_ties_among_copies(name, topk, S=600, dtype=dtype)
 
 
 def test_deterministic():

@@ -261,14 +261,16 @@ def indexer_topk_checks():
                               cu_seqlens_k=jnp.asarray([0, 100, 200, 9000], jnp.int32))
         checks.append(Named(f"indexer_topk-packed-c{int(causal)}-k{topk}", packed))
 
-    def resident_rounds():
-        # float8 with N in one chunk runs the resident kernel: 300 pairs, more than one per SM, the first
-        # element's early pairs with no selecting row
-        iq, ik, w, kw = topk_inputs.make_topk_inputs(
-            seed_of("sanitize-topk-resident"), B=2, S=300, HI=HI, DI=DI, N=2000, causal=True,
-            dtype=topk_inputs.FP8, q_start_index=np.asarray([-100, 500], np.int32))
-        indexer_topk_call(64, iq, ik, w, kw)
-    checks.append(Named("indexer_topk-fp8-resident-b2-s300-n2000-k64", resident_rounds))
+    for fp8 in ("-fp8", ""):
+        def resident_rounds(fp8=fp8):
+            # N in one chunk runs the resident kernel: 300 pairs, more than one per SM, the first
+            # element's early pairs with no selecting row
+            iq, ik, w, kw = topk_inputs.make_topk_inputs(
+                seed_of("sanitize-topk-resident") if fp8 else seed_of("sanitize-topk-resident", "bf16"), B=2, S=300,
+                HI=HI, DI=DI, N=2000, causal=True, dtype=topk_inputs.FP8 if fp8 else jnp.bfloat16,
+                q_start_index=np.asarray([-100, 500], np.int32))
+            indexer_topk_call(64, iq, ik, w, kw)
+        checks.append(Named(f"indexer_topk{fp8 or '-bf16'}-resident-b2-s300-n2000-k64", resident_rounds))
     return checks
 
 
