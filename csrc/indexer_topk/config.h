@@ -46,9 +46,10 @@ constexpr int kProducerRegs = 40;
 static_assert(register_budgets_fit(kThreads, 1, kConsumers * kWarpgroupThreads, kConsumerRegs, kWarpgroupThreads,
                                    kProducerRegs),
               "setmaxnreg budgets exceed the CTA's register allocation");
-// The resident kernel's four warpgroups share 128 a thread: the consumers'
-// code needs 208 (its highest register is R207), the selector 56 (R49); the
-// producer's thread, which also walks the pairs, spills at 24.
+// The resident kernel's four warpgroups share 128 a thread: the consumers
+// take 208 (their code's highest register is R198 in float8, R189 in bf16),
+// the selector 56 (R49); the producer's thread, which also walks the pairs,
+// spills at 24 in bf16.
 constexpr int kResidentConsumerRegs = 208;
 constexpr int kResidentProducerRegs = 40;
 constexpr int kResidentSelectorRegs = 56;

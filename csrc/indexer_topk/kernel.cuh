@@ -264,7 +264,7 @@ __device__ __forceinline__ int scale_shift(const IndexerTopkParams& p, const Cta
 }
 
 // The scales of the block at ring position at, from its landed stage (read
-// before the warp releases the stage: finish_block).
+// before the warp releases the stage: release_stage).
 template <class Cfg>
 __device__ __forceinline__ KeyScales stage_key_scales(const typename Cfg::SharedMemoryPlan& plan, KeyRingPos<Cfg> at,
                                                       float scale, int shift, int t) {
@@ -421,7 +421,7 @@ __device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan,
 }
 
 // A warpgroup's blocks of chunk ch (block j0 + blk is this warpgroup's
-// where it is wg modulo 2: config.h, the stages' owners). The block in flight
+// where it is wg modulo 2: config.h, the key ring). The block in flight
 // alternates between acc0 and acc1; the loop is unrolled by two so that each
 // is named statically, and the last block finishes in whichever holds it.
 template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>

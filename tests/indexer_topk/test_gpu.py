@@ -102,10 +102,12 @@ CASES = [
 # CTA about eleven pairs, selecting and not (the first q_start's early rows
 # see no key or fewer than topk); S = 300 about one and a bit; the smaller
 # cases run the multi-pass kernel. N = 6001: the second batch element starts
-# its keys (and scales) off a 16-byte boundary.
+# its keys (and scales, where drawn) off a 16-byte boundary. topk = 32 with
+# q_start -5: pairs whose keys are one block (one warpgroup with none).
 RESIDENT_CASES = [
     Case(S=1500, N=6000, topk=512, B=2, q_start=(-700, 100)),
     Case(S=1500, N=6001, topk=512, B=2, q_start=(-700, 100)),
+    Case(S=300, N=3000, topk=32, B=1, q_start=(-5,)),
 ]
 CASES += RESIDENT_CASES
 
@@ -200,7 +202,8 @@ def test_fewer_heads_than_the_variant(heads, dtype):
 
 
 @pytest.mark.parametrize("case", [Case(S=64, N=3000, topk=256, causal=False),
-                                  Case(S=64, N=3001, topk=256, B=3, causal=False)], ids=lambda c: c.name)
+                                  Case(S=64, N=3001, topk=256, B=3, causal=False), RESIDENT_CASES[1]],
+                         ids=lambda c: c.name)
 def test_kernel_with_key_scales_and_bf16_weights(case):
     iq, ik, w, kw = _inputs(case, key_scale=True, weights_dtype=jnp.bfloat16)
     check_selection(_kernel(iq, ik, w, kw, case.topk), iq, ik, w, kw, case.topk)
