@@ -140,12 +140,15 @@ struct Config {
   static constexpr int kScaleBytes = kScaleWords * 4;      // the box (the stage's transaction bytes)
   static_assert(kScaleWords <= kScaleSlotWords && kScaleSlotWords * 4 % 128 == 0 && kScaleBytes % 16 == 0,
                 "a scale box fits its slot, slots start 128-byte aligned, the box is whole 16-byte units");
-  static constexpr int kStages = (kMaxDynamicSmem - kSmemAlign - kFixedBytes) / kStageSlotBytes / (kResident ? 1 : 2) *
-                                 (kResident ? 1 : 2);
+  static constexpr int kStageMultiple = kResident ? 1 : kConsumers;  // the multi-pass plan: even
+  static constexpr int kStages =
+      (kMaxDynamicSmem - kSmemAlign - kFixedBytes) / kStageSlotBytes / kStageMultiple * kStageMultiple;
   static_assert(kStages >= 3, "the key ring needs a stage beyond the two blocks in flight");
+  // Whether a stage's blocks alternate between the warpgroups (an odd count).
+  static constexpr bool kSharedStages = kStages % kConsumers != 0;
   // Full barriers: a (stage, warpgroup) pair's own (above); block j lands on
   // full[j % kRingPeriod], the barrier's phase j / kRingPeriod.
-  static constexpr int kRingPeriod = kStages % kConsumers == 0 ? kStages : kStages * kConsumers;
+  static constexpr int kRingPeriod = kSharedStages ? kStages * kConsumers : kStages;
   using SmemLayoutK = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Elem>{},
       cute::Shape<cute::Int<kBlockKeys>, cute::Int<kTile>, cute::Int<kStages * kDimTiles>>{}));

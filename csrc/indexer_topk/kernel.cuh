@@ -23,7 +23,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -108,6 +107,12 @@ __device__ __forceinline__ void init_ring_and_q(typename Cfg::SharedMemoryPlan& 
   for (int i = 0; i < Cfg::kStages; ++i)
     cutlass::arch::ClusterBarrier::init(&plan.empty[i], 4);  // the consuming warpgroup's warps
   for (int i = 0; i < Cfg::kQBuffers; ++i) cutlass::arch::ClusterBarrier::init(&plan.q_ready[i], 1);
+}
+
+// The pair's Q into L2 ahead of load_q (where it must wait for its buffer).
+template <class Cfg>
+__device__ __forceinline__ void prefetch_q(const TmaParams& tma, const CtaProblem& c) {
+  for (int dt = 0; dt < Cfg::kDimTiles; ++dt) SM90_TMA_LOAD_4D::PREFETCH::copy(&tma.q, dt * Cfg::kTile, 0, c.s0, c.batch);
 }
 
 // The pair's Q (both rows' heads, every dim tile) into Q buffer qb.
@@ -245,8 +250,8 @@ struct KeyRingPos {
     return {j % Cfg::kRingPeriod, uint32_t((j / Cfg::kRingPeriod) & 1)};
   }
   __device__ __forceinline__ int stage() const {
-    static_assert(Cfg::kRingPeriod == Cfg::kStages || Cfg::kRingPeriod == 2 * Cfg::kStages, "config.h's periods");
-    if constexpr (Cfg::kRingPeriod == Cfg::kStages) return slot;
+    static_assert(Cfg::kRingPeriod == (Cfg::kSharedStages ? 2 : 1) * Cfg::kStages, "config.h's periods");
+    if constexpr (!Cfg::kSharedStages) return slot;
     else return slot < Cfg::kStages ? slot : slot - Cfg::kStages;
   }
   __device__ __forceinline__ KeyRingPos advanced() const {  // block j + kConsumers (kConsumers <= kRingPeriod)
@@ -391,7 +396,7 @@ __device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan,
                                            float scale, int shift, KeyRingPos<Cfg> at, int blk, int t,
                                            const LogitsSink<Cfg>& sink) {
   const KeyScales k = stage_key_scales<Cfg>(plan, at, scale, shift, t);
-  if constexpr (Cfg::kStages % kConsumers == 0) {
+  if constexpr (!Cfg::kSharedStages) {
     issue_block<Cfg>(plan, mma, tA, tB, next, at.advanced(), sink.q_buffer);
     warpgroup_commit_batch();
     warpgroup_wait<1>();  // blk's group has completed
@@ -604,7 +609,7 @@ __device__ __forceinline__ void produce_resident(typename Cfg::SharedMemoryPlan&
     const int blocks = c.chunk_blocks(0);
     int blk = 0;
     if constexpr (Cfg::kQBuffers == 1) {
-      for (int dt = 0; dt < Cfg::kDimTiles; ++dt) SM90_TMA_LOAD_4D::PREFETCH::copy(&tma.q, dt * Cfg::kTile, 0, c.s0, c.batch);
+      prefetch_q<Cfg>(tma, c);
       for (; blk < min(blocks, Cfg::kStages - 1); ++blk, ++j)
         load_block<Cfg>(plan, tma, c, p.s_kv, int(c.begin) + blk * kBlockKeys, j);
     }
