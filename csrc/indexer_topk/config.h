@@ -110,11 +110,12 @@ struct Config {
     return q_buffers * kQBytes + kLogitBuffers * kRows * kLogitRowWords * 4 + kHistRows * kHistBins * 4 + 1024;
   }
   // Resident: two Q buffers (pair parity), so that a pair's Q lands while
-  // the consumers finish the previous pair, where they leave room for four
-  // stages (float8); else one (bf16, whose Q and key tiles are twice the
-  // size: the pair's Q loads once the previous pair's WGMMAs are done).
+  // the consumers finish the previous pair, where they leave room for the
+  // even ring's two stages a warpgroup (float8); else one (bf16, whose Q and
+  // key tiles are twice the size: the pair's Q loads once the previous
+  // pair's WGMMAs are done).
   static constexpr int kQBuffers =
-      kResident && (kMaxDynamicSmem - kSmemAlign - fixed_bytes(2)) / kStageSlotBytes >= 4 ? 2 : 1;
+      kResident && (kMaxDynamicSmem - kSmemAlign - fixed_bytes(2)) / kStageSlotBytes >= 2 * kConsumers ? 2 : 1;
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Elem>{},
       cute::Shape<cute::Int<kMmaN>, cute::Int<kTile>, cute::Int<kQBuffers * kDimTiles>>{}));
