@@ -104,10 +104,13 @@ CASES = [
 # cases run the multi-pass kernel. N = 6001: the second batch element starts
 # its keys (and scales, where drawn) off a 16-byte boundary. topk = 32 with
 # q_start -5: pairs whose keys are one block (one warpgroup with none).
+# q_start 6500 at N = 8192: rows of 6501 keys up to the whole chunk (V3.2's
+# long rows: the selector reads a buffer of up to 8192 logits a row).
 RESIDENT_CASES = [
     Case(S=1500, N=6000, topk=512, B=2, q_start=(-700, 100)),
     Case(S=1500, N=6001, topk=512, B=2, q_start=(-700, 100)),
     Case(S=300, N=3000, topk=32, B=1, q_start=(-5,)),
+    Case(S=1800, N=8192, topk=2048, B=2, q_start=(-300, 6500)),
 ]
 CASES += RESIDENT_CASES
 
@@ -242,6 +245,25 @@ def test_packed_rows_resident(dtype):
     cu_q = np.asarray([0, 300, 600], np.int32)
     cu_k = np.asarray([0, 2999, 6000], np.int32)
     kw = dict(kw, q_start_index=np.asarray([500, 1000], np.int32))
+    packing = dict(cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
+    got = _kernel(iq, ik, w, kw, topk, **packing)
+    logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
+    assert_row_kinds(logits, topk, ("select",))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_packed_rows_resident_past_half_a_chunk(dtype):
+    """The resident kernel on packed rows past half a chunk: the first
+    sequence's rows see 4701 to 5000 keys, and the pair (300, 301) straddles
+    the sequences, its second row's keys starting 5000 keys into the pair's
+    logits buffer."""
+    S, N, topk = 600, 8000, 256
+    seed = seed_of("topk-gpu-packed-halves", "fp8" if dtype == FP8 else "bf16")
+    iq, ik, w, kw = make_topk_inputs(seed, S=S, HI=HI, DI=DI, N=N, dtype=dtype, key_scale=True)
+    rtol = {} if dtype == jnp.bfloat16 else dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    cu_q = np.asarray([0, 301, 600], np.int32)
+    cu_k = np.asarray([0, 5000, 8000], np.int32)
+    kw = dict(kw, q_start_index=np.asarray([4700, 2000], np.int32))
     packing = dict(cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
     got = _kernel(iq, ik, w, kw, topk, **packing)
     logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)

@@ -264,13 +264,13 @@ def indexer_topk_checks():
     for fp8 in ("-fp8", ""):
         def resident_rounds(fp8=fp8):
             # N in one chunk runs the resident kernel: 300 pairs, more than one per SM, the first
-            # element's early pairs with no selecting row
+            # element's early pairs with no selecting row, the second's rows of 4501 to 4800 keys
             iq, ik, w, kw = topk_inputs.make_topk_inputs(
                 seed_of("sanitize-topk-resident") if fp8 else seed_of("sanitize-topk-resident", "bf16"), B=2, S=300,
-                HI=HI, DI=DI, N=2000, causal=True, dtype=topk_inputs.FP8 if fp8 else jnp.bfloat16,
-                q_start_index=np.asarray([-100, 500], np.int32))
+                HI=HI, DI=DI, N=6000, causal=True, dtype=topk_inputs.FP8 if fp8 else jnp.bfloat16,
+                q_start_index=np.asarray([-100, 4500], np.int32))
             indexer_topk_call(64, iq, ik, w, kw)
-        checks.append(Named(f"indexer_topk{fp8 or '-bf16'}-resident-b2-s300-n2000-k64", resident_rounds))
+        checks.append(Named(f"indexer_topk{fp8 or '-bf16'}-resident-b2-s300-n6000-k64", resident_rounds))
     return checks
 
 
