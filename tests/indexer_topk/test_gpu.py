@@ -233,42 +233,37 @@ def test_packed_rows(causal, dtype):
     check_selection(xla, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_packed_rows_resident(dtype):
-    """The resident kernel (300 row pairs, N <= 8192) on packed rows: the
-    second sequence's keys start at key 2999, off a 16-byte boundary, with
-    distinct key scales; every row selects."""
-    S, N, topk = 600, 6000, 256
-    seed = seed_of("topk-gpu-packed-resident") if dtype == FP8 else seed_of("topk-gpu-packed-resident", "bf16")
+def _packed_resident_logits(seed, dtype, N, cu_k, cu_q, q_start, S=600, topk=256):
+    """The resident kernel (300 row pairs, N <= 8192) on packed rows with
+    distinct key scales, every row checked; returns the float64 logits."""
     iq, ik, w, kw = make_topk_inputs(seed, S=S, HI=HI, DI=DI, N=N, dtype=dtype, key_scale=True)
     rtol = {} if dtype == jnp.bfloat16 else dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
-    cu_q = np.asarray([0, 300, 600], np.int32)
-    cu_k = np.asarray([0, 2999, 6000], np.int32)
-    kw = dict(kw, q_start_index=np.asarray([500, 1000], np.int32))
-    packing = dict(cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
-    got = _kernel(iq, ik, w, kw, topk, **packing)
-    logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
-    assert_row_kinds(logits, topk, ("select",))
+    cu_q, cu_k = np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32)
+    kw = dict(kw, q_start_index=np.asarray(q_start, np.int32))
+    got = _kernel(iq, ik, w, kw, topk, cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
+    return check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_packed_rows_resident(dtype):
+    """The second sequence's keys start at key 2999, off a 16-byte boundary;
+    every row selects."""
+    seed = seed_of("topk-gpu-packed-resident") if dtype == FP8 else seed_of("topk-gpu-packed-resident", "bf16")
+    logits = _packed_resident_logits(seed, dtype, N=6000, cu_k=[0, 2999, 6000], cu_q=[0, 300, 600],
+                                     q_start=[500, 1000])
+    assert_row_kinds(logits, 256, ("select",))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
 def test_packed_rows_resident_past_half_a_chunk(dtype):
-    """The resident kernel on packed rows past half a chunk: the first
-    sequence's rows see 4701 to 5000 keys, and the pair (300, 301) straddles
-    the sequences, its second row's keys starting 5000 keys into the pair's
-    logits buffer."""
-    S, N, topk = 600, 8000, 256
+    """Rows past half a chunk: the first sequence's rows see 4701 to 5000
+    keys, and the pair (300, 301) straddles the sequences, its second row's
+    keys starting 5000 keys into the pair's logits buffer."""
     seed = seed_of("topk-gpu-packed-halves", "fp8" if dtype == FP8 else "bf16")
-    iq, ik, w, kw = make_topk_inputs(seed, S=S, HI=HI, DI=DI, N=N, dtype=dtype, key_scale=True)
-    rtol = {} if dtype == jnp.bfloat16 else dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
-    cu_q = np.asarray([0, 301, 600], np.int32)
-    cu_k = np.asarray([0, 5000, 8000], np.int32)
-    kw = dict(kw, q_start_index=np.asarray([4700, 2000], np.int32))
-    packing = dict(cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
-    got = _kernel(iq, ik, w, kw, topk, **packing)
-    logits = check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
+    logits = _packed_resident_logits(seed, dtype, N=8000, cu_k=[0, 5000, 8000], cu_q=[0, 301, 600],
+                                     q_start=[4700, 2000])
     counts = valid_counts(logits)
-    assert (counts > topk).all()
+    assert (counts > 256).all()
     np.testing.assert_array_equal(counts[[0, 299, 300, 301, 599]], [4701, 5000, 5000, 2001, 2299])
 
 
