@@ -180,14 +180,18 @@ def test_fp8_kernel_matches_float64(case):
     print(f"{case.name}: widest band {widest_band(got, logits, case.topk):.3g}")
 
 
-def test_fp8_kernel_with_negative_key_scales():
-    """A key's negative scale turns relu(z * scale) into scale * min(z, 0)."""
-    case = Case(S=64, N=3000, topk=256, causal=False)
-    iq, ik, w, kw = _inputs(case, dtype=FP8)
+@pytest.mark.parametrize("S", [64, 300], ids=["multi-pass", "resident"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_kernel_with_negative_key_scales(dtype, S):
+    """A key's negative scale turns relu(z * scale) into scale * min(z, 0), in
+    both kernels (S = 300: more row pairs than SMs, the resident one)."""
+    case = Case(S=S, N=3000, topk=256, causal=False)
+    iq, ik, w, kw = _inputs(case, dtype=dtype, key_scale=True)
     ks = np.asarray(kw["index_k_scale"])
     kw = dict(kw, index_k_scale=jnp.asarray(np.where(np.arange(case.N) % 3 == 0, -ks, ks)))
     got = _kernel(iq, ik, w, kw, case.topk)
-    logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    rtol = topk_oracle.TOPK_TOLERANCE_FP8_KERNEL if dtype == FP8 else topk_oracle.TOPK_TOLERANCE
+    logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=rtol)
     print(f"negative scales: widest band {widest_band(got, logits, case.topk):.3g}")
 
 
