@@ -19,8 +19,8 @@ from jax_attn_dist.oracle import indexer_topk as topk_oracle
 from jax_attn_dist.ops.indexer_topk.reference import indexer_topk_reference_canonical, select_topk
 from jax_attn_dist._core import checks
 from jax_attn_dist.ops.indexer_topk.autodiff import indexer_topk_canonical
-from topk_inputs import (FP8, adversarial_topk_ranges, assert_row_kinds, check_selection, make_topk_inputs,
-                         oracle_logits, raw_range_logits, valid_counts)
+from topk_inputs import (FP8, adversarial_topk_ranges, assert_row_kinds, cancellation, check_selection,
+                         make_topk_inputs, negative_heads_inputs, oracle_logits, raw_range_logits, valid_counts)
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -97,6 +97,15 @@ def test_exact_ties_go_to_the_smaller_key(dtype):
     for s in range(S):
         np.testing.assert_array_equal(got[s], topk_oracle.exact_topk(logits[s], topk))
         assert list(got[s]) == copies[:topk], (got[s], copies)
+
+
+def test_logits_dominated_by_negative_heads():
+    """negative_heads_inputs (sum_h |w z| about a hundred times a row's
+    largest logit, most logits exactly 0): the jnp path's float32 relu sums
+    stay inside SPEC §9.3's band."""
+    iq, ik, w, kw = negative_heads_inputs(seed_of("topk-negative-heads"), S=12, N=2000, HI=64, DI=128)
+    logits = check_selection(run(iq, ik, w, kw, 128), iq, ik, w, kw, 128)
+    assert np.median(cancellation(iq, ik, w, logits)) > 50  # the regime this test is for
 
 
 def test_signed_zero_logits_tie():

@@ -44,6 +44,29 @@ def make_topk_inputs(seed, *, S, HI, DI, N, B=None, dtype=jnp.bfloat16, weights_
     return index_q, index_k, weights, kwargs
 
 
+def negative_heads_inputs(seed, *, S, N, HI, DI):
+    """(index_q, index_k, weights, kwargs) whose keys share one direction and
+    whose queries oppose it: most heads' z are negative, so sum_h |w z| is
+    about a hundred times a row's largest logit and most logits are exactly
+    0 (bf16, positive weights, every key valid)."""
+    rng = np.random.default_rng(seed)
+    m = rng.standard_normal(DI)
+    m /= np.linalg.norm(m)
+    index_k = jnp.asarray((4.0 * m + rng.standard_normal((N, DI))).astype(np.float32), jnp.bfloat16)
+    index_q = jnp.asarray((-4.0 * m + 0.2 * rng.standard_normal((S, HI, DI))).astype(np.float32), jnp.bfloat16)
+    weights = jnp.asarray(np.abs(rng.standard_normal((S, HI))).astype(np.float32))
+    return index_q, index_k, weights, dict(scale=1.0, causal=False, q_start_index=0, k_stride=1)
+
+
+def cancellation(index_q, index_k, weights, logits):
+    """Per row, max over keys of sum_h |w z| over the largest |logit| (float64;
+    ``logits`` from oracle_logits): how far a logit is below the sizes of its
+    terms."""
+    z = np.einsum("shd,nd->shn", np.asarray(index_q, np.float64), np.asarray(index_k, np.float64))
+    spread = np.einsum("sh,shn->sn", np.asarray(weights, np.float64), np.abs(z)).max(axis=1)
+    return spread / np.abs(logits).max(axis=1)
+
+
 def oracle_logits(index_q, index_k, weights, kwargs, **packing):
     """The float64 logits [B?, S, N] (-inf where not valid) of a call with
     these arguments (``kwargs`` as make_topk_inputs gives them, without
