@@ -1,49 +1,74 @@
 #!/usr/bin/env bash
-# A/B benchmark on one machine in one call: an older tree (a `git archive`
-# tarball carried in .whl/) against this checkout. Each is built once into its
-# own directory; then ROUNDS rounds (default 2) run old and new back to back,
-# alternating, so that neither the machine-to-machine spread (about 5 %) nor a
-# drift during the call favours one side.
+# A/B benchmark on one machine in one call: older trees (`git archive`
+# tarballs carried in .whl/) against this checkout. Every tree is built once
+# into its own directory, side by side (the cores shared between the builds);
+# then ROUNDS rounds (default 2) run each side back to back, alternating, so
+# that neither the machine-to-machine spread (about 5 %) nor a drift during the
+# call favours one side.
 #   git archive OLD -o .whl/old.tar                      # in the checkout
 #   ROUNDS=3 tools/ab_bench.sh .whl/old.tar OLD NEW idx-v32 ...   # on the GPU machine, OUT set
-# Both sides run this checkout's benchmarks/bench.py (one harness, so only the
-# package differs); a shape the old package cannot serve fails its side.
-# Writes $OUT/ab.json (every round's rows, both sides); the comparison is printed.
+# More sides (each another tree, timed between old and new in every round):
+#   MORE=".whl/b.tar:B .whl/c.tar:C" tools/ab_bench.sh .whl/old.tar OLD NEW topk-v32
+# Every side runs this checkout's benchmarks/bench.py (one harness, so only the
+# package differs); a shape an older package cannot serve fails its side.
+# Writes $OUT/ab.json (every round's rows, every side); the comparison is printed.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 ROUNDS=${ROUNDS:-2}
 mkdir -p "$OUT"
 tar=$1 old=$2 new=$3; shift 3
 shapes=("$@")
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=16
+# side label -> tarball ("" for this checkout), in the order each round runs them
+labels=("$old") tars=("$tar")
+for entry in ${MORE:-}; do
+  labels+=("${entry##*:}") tars+=("${entry%:*}")
+done
+labels+=("$new") tars+=("")
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) / ${#labels[@]} > 1 ? $(nproc) / ${#labels[@]} : 1 ))
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/nvidia_cutlass*.whl
-rm -rf /tmp/ab && mkdir -p /tmp/ab/old_src && tar -xf "$tar" -C /tmp/ab/old_src
-build() {  # source dir, side
-  (cd "$1" && PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab/$2" . \
-     > "/tmp/ab/$2.build.log" 2>&1) || { tail -30 "/tmp/ab/$2.build.log"; exit 1; }
-}
-build /tmp/ab/old_src old
-build "$PWD" new
+rm -rf /tmp/ab && mkdir -p /tmp/ab
+pids=()
+for i in "${!labels[@]}"; do
+  src=$PWD
+  if [ -n "${tars[$i]}" ]; then
+    src=/tmp/ab/src$i && mkdir -p "$src" && tar -xf "${tars[$i]}" -C "$src"
+  fi
+  (cd "$src" && PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab/side$i" . \
+     > "/tmp/ab/side$i.build.log" 2>&1) &
+  pids+=($!)
+done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || { echo "side ${labels[$i]}: build failed"; tail -30 "/tmp/ab/side$i.build.log"; exit 1; }
+done
 bench_dir=$PWD/benchmarks
 for ((r = 1; r <= ROUNDS; r++)); do
-  for side in old new; do
-    # Run from /tmp so that neither checkout's package shadows the built one.
-    commit=$([ $side = old ] && echo "$old" || echo "$new")
-    (cd /tmp && PYTHONPATH="/tmp/ab/$side:/tmp/site" JAX_ATTN_DIST_COMMIT=$commit timeout 400 \
-       python3 "$bench_dir/bench.py" --no-xla --shapes "${shapes[@]}" --json "/tmp/ab/$side$r.json" \
-       > "/tmp/ab/$side$r.log" 2>&1) || { tail -30 "/tmp/ab/$side$r.log"; exit 1; }
+  for i in "${!labels[@]}"; do
+    # Run from /tmp so that no checkout's package shadows the built one.
+    (cd /tmp && PYTHONPATH="/tmp/ab/side$i:/tmp/site" JAX_ATTN_DIST_COMMIT=${labels[$i]} timeout 400 \
+       python3 "$bench_dir/bench.py" --no-xla --shapes "${shapes[@]}" --json "/tmp/ab/side$i-$r.json" \
+       > "/tmp/ab/side$i-$r.log" 2>&1) || { tail -30 "/tmp/ab/side$i-$r.log"; exit 1; }
   done
 done
-python3 - "$OUT/ab.json" "$ROUNDS" <<'PY'
+python3 - "$OUT/ab.json" "$ROUNDS" "${labels[@]}" <<'PY'
 import json, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
-runs = {f"{side}{r}": json.load(open(f"/tmp/ab/{side}{r}.json")) for r in range(1, rounds + 1) for side in ("old", "new")}
+out, rounds, labels = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+runs = {f"{label}/{r}": json.load(open(f"/tmp/ab/side{i}-{r}.json"))
+        for r in range(1, rounds + 1) for i, label in enumerate(labels)}
 json.dump(runs, open(out, "w"), indent=1)
 keys = ("kernel_ms", "kernel_bwd_ms", "bwd_deterministic_ms", "kernel_fwd_bwd_ms")
+first = labels[0]
 for r in range(1, rounds + 1):
-    print(f"round {r} (GEMM {runs[f'old{r}']['gemm_8192_tflops']:.0f} / {runs[f'new{r}']['gemm_8192_tflops']:.0f} TFLOP/s)")
-    for a, b in zip(runs[f"old{r}"]["rows"], runs[f"new{r}"]["rows"]):
+    side = {label: runs[f"{label}/{r}"] for label in labels}
+    print(f"round {r} (GEMM " + " / ".join(f"{s['gemm_8192_tflops']:.0f}" for s in side.values()) + " TFLOP/s)")
+    for n, base in enumerate(side[first]["rows"]):
         for key in keys:
-            if key in a and key in b:
-                print(f"  {a['name']:<14}{key:<22}{a[key]:9.3f} -> {b[key]:9.3f} ms  ({b[key] / a[key] - 1:+.1%})")
+            if key not in base:
+                continue
+            cells = [f"{base[key]:9.3f}"]
+            for label in labels[1:]:
+                row = side[label]["rows"][n]
+                if key in row:
+                    cells.append(f"{label} {row[key]:9.3f} ({row[key] / base[key] - 1:+.1%})")
+            print(f"  {base['name']:<18}{key:<22}{first} " + "  ".join(cells))
 PY
