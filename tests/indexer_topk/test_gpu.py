@@ -21,7 +21,8 @@ from jax_attn_dist.oracle import indexer_topk as topk_oracle
 from jax_attn_dist.ops.indexer_topk import contract as topk_contract
 from jax_attn_dist.ops.indexer_topk.autodiff import indexer_topk_canonical
 from topk_inputs import (FP8, adversarial_topk_ranges, assert_row_kinds, cancellation, check_selection,
-                         make_topk_inputs, negative_heads_inputs, raw_range_logits, valid_counts, widest_band)
+                         kernel_band, make_topk_inputs, negative_heads_inputs, raw_range_logits, valid_counts,
+                         widest_band)
 
 pytestmark = pytest.mark.gpu
 
@@ -175,7 +176,7 @@ def test_fp8_kernel_matches_float64(case):
     logits of the float8 values, under the float8 kernel's band."""
     iq, ik, w, kw = _inputs(case, dtype=FP8)
     got = _kernel(iq, ik, w, kw, case.topk)
-    logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=kernel_band(FP8))
     assert_row_kinds(logits, case.topk, case.kinds)
     print(f"{case.name}: widest band {widest_band(got, logits, case.topk):.3g}")
 
@@ -190,8 +191,7 @@ def test_kernel_with_negative_key_scales(dtype, S):
     ks = np.asarray(kw["index_k_scale"])
     kw = dict(kw, index_k_scale=jnp.asarray(np.where(np.arange(case.N) % 3 == 0, -ks, ks)))
     got = _kernel(iq, ik, w, kw, case.topk)
-    rtol = topk_oracle.TOPK_TOLERANCE_FP8_KERNEL if dtype == FP8 else topk_oracle.TOPK_TOLERANCE
-    logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=rtol)
+    logits = check_selection(got, iq, ik, w, kw, case.topk, rtol=kernel_band(dtype))
     print(f"negative scales: widest band {widest_band(got, logits, case.topk):.3g}")
 
 
@@ -204,8 +204,7 @@ def test_fewer_heads_than_the_variant(heads, dtype):
         iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-heads", heads, case.name), S=case.S, HI=heads, DI=DI,
                                          N=case.N, causal=case.causal, q_start_index=case.N - case.S if case.causal
                                          else 0, dtype=dtype)
-        rtol = {} if dtype == jnp.bfloat16 else dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
-        check_selection(_kernel(iq, ik, w, kw, case.topk), iq, ik, w, kw, case.topk, **rtol)
+        check_selection(_kernel(iq, ik, w, kw, case.topk), iq, ik, w, kw, case.topk, rtol=kernel_band(dtype))
 
 
 @pytest.mark.parametrize("case", [Case(S=64, N=3000, topk=256, causal=False),
@@ -225,27 +224,27 @@ def test_packed_rows(causal, dtype):
     S, N, topk = 256, 3000, 512
     iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-packed", causal, str(jnp.dtype(dtype))), S=S, HI=HI, DI=DI,
                                      N=N, causal=causal, dtype=dtype, key_scale=True)
-    rtol = {} if dtype == jnp.bfloat16 else dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    rtol = kernel_band(dtype)
     cu_q = np.asarray([0, 40, 41, 180, 250], np.int32)          # rows 250.. are padding
     cu_k = np.asarray([0, 1000, 1001, 2900, 3000], np.int32)
     kw = dict(kw, q_start_index=np.asarray([0, 7, 960, 30], np.int32))
     packing = dict(cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
     got = _kernel(iq, ik, w, kw, topk, **packing)
-    check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
+    check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, rtol=rtol)
     assert np.all(np.asarray(got)[250:] == -1)
     xla = jax.jit(lambda a, b, c: indexer_topk(a, b, c, topk=topk, implementation="xla", **kw, **packing))(iq, ik, w)
-    check_selection(xla, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
+    check_selection(xla, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, rtol=rtol)
 
 
 def _packed_resident_logits(seed, dtype, N, cu_k, cu_q, q_start, S=600, topk=256):
     """The resident kernel (300 row pairs, N <= 8192) on packed rows with
     distinct key scales, every row checked; returns the float64 logits."""
     iq, ik, w, kw = make_topk_inputs(seed, S=S, HI=HI, DI=DI, N=N, dtype=dtype, key_scale=True)
-    rtol = {} if dtype == jnp.bfloat16 else dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
+    rtol = kernel_band(dtype)
     cu_q, cu_k = np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32)
     kw = dict(kw, q_start_index=np.asarray(q_start, np.int32))
     got = _kernel(iq, ik, w, kw, topk, cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
-    return check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **rtol)
+    return check_selection(got, iq, ik, w, kw, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
@@ -325,7 +324,7 @@ def test_kernel_on_raw_row_ranges(N, topk, dtype):
     got = _kernel_on_ranges(iq, ik, w, kw["index_k_scale"], q_start, jnp.asarray(ranges), topk=topk,
                             scale=kw["scale"])
     logits = raw_range_logits(iq, ik, w, kw, ranges)
-    rtol = topk_oracle.TOPK_TOLERANCE_FP8_KERNEL if dtype == FP8 else topk_oracle.TOPK_TOLERANCE
+    rtol = kernel_band(dtype)
     assert np.asarray(got).shape == (B, S, 1, topk)
     topk_oracle.assert_topk_acceptable(got, logits, topk, rtol)
     assert_row_kinds(logits, topk)
@@ -340,17 +339,15 @@ def _check_ties_among_copies(seed_name, topk, S, dtype=jnp.bfloat16):
     iq, ik, w, kw = make_topk_inputs(seed_of(seed_name, topk), S=S, HI=HI, DI=DI, N=N, causal=False, dtype=dtype)
     rng = np.random.default_rng(seed_of(seed_name + "-keys", topk))
     copies = np.sort(rng.choice(N, size=min(2 * topk + 3, N - 1), replace=False))
-    rtol = {}
     if dtype == FP8:
         iq, w = jnp.abs(iq.astype(jnp.float32)).astype(FP8), jnp.abs(w)
         ik = ik.at[jnp.asarray(copies)].set((jnp.abs(ik[0].astype(jnp.float32)) + 1).astype(FP8))
         kw = dict(kw, index_k_scale=kw["index_k_scale"].at[jnp.asarray(copies)].set(4.0))
-        rtol = dict(rtol=topk_oracle.TOPK_TOLERANCE_FP8_KERNEL)
     else:
         iq, w = jnp.abs(iq), jnp.abs(w)
         ik = ik.at[jnp.asarray(copies)].set(jnp.abs(ik[0]) + 1)
     got = np.asarray(_kernel(iq, ik, w, kw, topk))
-    logits = check_selection(got, iq, ik, w, kw, topk, **rtol)
+    logits = check_selection(got, iq, ik, w, kw, topk, rtol=kernel_band(dtype))
     for s in range(S):
         np.testing.assert_array_equal(got[s, 0], copies[:topk])
         np.testing.assert_array_equal(got[s, 0], topk_oracle.exact_topk(logits[s], topk))

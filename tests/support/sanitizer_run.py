@@ -63,7 +63,6 @@ import sparse_mla_cases
 import topk_inputs
 from inputs import seed_of
 from jax_attn_dist import indexer_topk, oracle
-from jax_attn_dist.oracle import indexer_topk as topk_oracle
 from packed_cases import CASES as PACKED_CASES
 
 ATTN_DIST = [
@@ -230,9 +229,8 @@ def indexer_topk_call(topk, iq, ik, w, kw, **packing):
                                                    **kw, **p))
     got = jax.block_until_ready(f(iq, ik, w, qs, packing))
     host = {k: np.asarray(v) for k, v in packing.items()}
-    fp8 = jnp.dtype(iq.dtype) == jnp.dtype(topk_inputs.FP8)
-    rtol = topk_oracle.TOPK_TOLERANCE_FP8_KERNEL if fp8 else topk_oracle.TOPK_TOLERANCE
-    topk_inputs.check_selection(got, iq, ik, w, dict(kw, q_start_index=np.asarray(qs)), topk, rtol, **host)
+    topk_inputs.check_selection(got, iq, ik, w, dict(kw, q_start_index=np.asarray(qs)), topk,
+                                topk_inputs.kernel_band(iq.dtype), **host)
 
 
 def indexer_topk_checks():

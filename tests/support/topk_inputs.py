@@ -79,6 +79,12 @@ def oracle_logits(index_q, index_k, weights, kwargs, **packing):
     return topk_oracle.indexer_topk_logits_oracle(index_q, index_k, weights, **kw, **packing)
 
 
+def kernel_band(dtype):
+    """SPEC §9.3's band for the CUDA kernel's selection on inputs of this dtype
+    (float8: the tensor cores' shorter sums)."""
+    return topk_oracle.TOPK_TOLERANCE_FP8_KERNEL if jnp.dtype(dtype) == jnp.dtype(FP8) else topk_oracle.TOPK_TOLERANCE
+
+
 def check_selection(indices, index_q, index_k, weights, kwargs, topk, rtol=topk_oracle.TOPK_TOLERANCE, **packing):
     """indices [B?, S, 1, topk] is int32 and acceptable under SPEC §9.3 (the
     band ``rtol``) for every row; returns the float64 logits."""
