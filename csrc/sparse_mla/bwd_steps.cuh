@@ -106,8 +106,7 @@ __device__ __forceinline__ void dp_to_ds(typename Cfg::SharedMemoryPlan& plan, A
 // fenced for the async proxy that the WGMMAs read it through.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void store_tile(bf16* tile, const Acc& acc, int thread) {
-  Tensor s = make_tensor(make_smem_ptr(tile), typename Cfg::SmemLayoutTile{});
-  store_acc_tile(s, acc, acc_row(thread, 0), thread % 32);
+  store_acc_tile(tile, acc, acc_row(thread, 0), thread % 32);  // a SmemLayoutTile tile
   cutlass::arch::fence_view_async_shared();
 }
 

@@ -64,20 +64,28 @@ __device__ __forceinline__ void for_each_acc_element(int lane, F&& f) {
 }
 
 // A 64 x 64 f32 accumulator as bf16 pairs into `tile` (64 x 64, K-major
-// with the 128-byte swizzle: each pair stays within a 16-byte chunk). The
-// thread holds rows row0 (= 16 warp + lane / 4) and row0 + 8, columns
-// 8j + 2 (lane % 4) (+1). The caller fences for the async proxy before a
-// WGMMA reads it.
-template <class Tile, class Acc>
-__device__ __forceinline__ void store_acc_tile(Tile& tile, const Acc& acc, int row0, int lane) {
+// with the 128-byte swizzle, 1024-byte aligned: a SmemLayoutTile/SmemLayoutP
+// operand tile). The thread holds rows row0 (= 16 warp + lane / 4) and
+// row0 + 8, columns 8j + 2 (lane % 4) (+1). The swizzle (Swizzle<3,4,3>)
+// puts a row's 16-byte chunk j at chunk j ^ (row % 8), and both rows share
+// row0 % 8: each store's address is one xor and one add from 32-bit shared
+// addresses (the swizzled generic pointers took 64-bit arithmetic per store,
+// which ptxas kept in the loops). The caller fences for the async proxy
+// before a WGMMA reads it.
+template <class Acc>
+__device__ __forceinline__ void store_acc_tile(const bf16* tile, const Acc& acc, int row0, int lane) {
+  const uint32_t base = cute::cast_smem_ptr_to_uint(tile) + uint32_t(row0) * 128u + 4u * uint32_t(lane % 4);
+  const uint32_t swizzle = uint32_t(row0 % 8) << 4;
   CUTE_UNROLL
-  for (int j = 0; j < kBlockTopk / 8; ++j)
+  for (int j = 0; j < kBlockTopk / 8; ++j) {
+    const uint32_t at = base + ((uint32_t(j) << 4) ^ swizzle);
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       const int i = 4 * j + 2 * rh;
       const __nv_bfloat162 v = __floats2bfloat162_rn(acc(i), acc(i + 1));
-      cutlass::arch::shared_store<4>(cute::cast_smem_ptr_to_uint(&tile(row0 + 8 * rh, 8 * j + 2 * (lane % 4))), &v);
+      cutlass::arch::shared_store<4>(at + uint32_t(rh) * 8u * 128u, &v);
     }
+  }
 }
 
 }  // namespace sparse_mla

@@ -167,9 +167,8 @@ template <class Cfg, class Acc>
 __device__ __forceinline__ void publish_p(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
                                           Acc& accS, const float (&ref)[2], float scale_log2, int buffer,
                                           uint32_t stored_barrier, uint32_t ready_barrier, int warp, int lane) {
-  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
   exponentiate(accS, ref, scale_log2, st.row_sum);
-  store_acc_tile(sP, accS, 16 * warp + lane / 4, lane);
+  store_acc_tile(p_tile<Cfg>(plan, buffer), accS, 16 * warp + lane / 4, lane);  // a SmemLayoutP tile
   cutlass::arch::fence_view_async_shared();  // WGMMAs read P through the async proxy
   NamedBarrier::arrive(kPairThreads, ready_barrier);          // for the other consumer
   NamedBarrier::sync(kWarpgroupThreads, stored_barrier);     // for this one's own WGMMA
