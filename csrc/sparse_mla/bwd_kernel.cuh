@@ -107,7 +107,7 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
     scores_to_p(accS, valid_slot_mask(c.slots, slots), p.scale_log2, lse2, lane);
     if (block > 0) NamedBarrier::sync(bwd::kPairThreads, bwd::kWg1DkvDone);  // WG1 no longer reads P
     mark(kScoresPFree);
-    store_tile<Cfg>(plan.p, accS, thread);
+    store_tile(plan.p, accS, thread);
     NamedBarrier::arrive(bwd::kPairThreads, bwd::kPReady);
     mark(kScoresPStored);
     NamedBarrier::sync(bwd::kPairThreads, bwd::kDsReady);
@@ -159,7 +159,7 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
     dp_to_ds<Cfg>(plan, accDp, delta, p.sm_scale, thread);
     if (block > 0) NamedBarrier::sync(bwd::kPairThreads, bwd::kWg0DkvDone);  // WG0 no longer reads dS
     mark(kGradsDsFree);
-    store_tile<Cfg>(plan.ds, accDp, thread);
+    store_tile(plan.ds, accDp, thread);
     NamedBarrier::arrive(bwd::kPairThreads, bwd::kDsReady);
     mark(kGradsDsStored);
     NamedBarrier::sync(kWarpgroupThreads, bwd::kDsStored);  // for this warpgroup's own WGMMAs

@@ -104,7 +104,7 @@ __device__ __forceinline__ void dp_to_ds(typename Cfg::SharedMemoryPlan& plan, A
 
 // A 64 x 64 accumulator as bf16 into a shared tile (a WGMMA operand), then
 // fenced for the async proxy that the WGMMAs read it through.
-template <class Cfg, class Acc>
+template <class Acc>
 __device__ __forceinline__ void store_tile(bf16* tile, const Acc& acc, int thread) {
   store_acc_tile(tile, acc, acc_row(thread, 0), thread % 32);  // a SmemLayoutTile tile
   cutlass::arch::fence_view_async_shared();

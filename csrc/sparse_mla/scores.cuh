@@ -73,7 +73,8 @@ __device__ __forceinline__ void for_each_acc_element(int lane, F&& f) {
 // which ptxas kept in the loops). The caller fences for the async proxy
 // before a WGMMA reads it.
 template <class Acc>
-__device__ __forceinline__ void store_acc_tile(const bf16* tile, const Acc& acc, int row0, int lane) {
+__device__ __forceinline__ void store_acc_tile(bf16* tile, const Acc& acc, int row0, int lane) {
+  static_assert(kBlockTopk == 64, "a tile row is one 128-byte swizzle row: chunks j = 0..7");
   const uint32_t base = cute::cast_smem_ptr_to_uint(tile) + uint32_t(row0) * 128u + 4u * uint32_t(lane % 4);
   const uint32_t swizzle = uint32_t(row0 % 8) << 4;
   CUTE_UNROLL
