@@ -12,6 +12,15 @@
 # Every side runs this checkout's benchmarks/bench.py (one harness, so only the
 # package differs); a shape an older package cannot serve fails its side.
 # Writes $OUT/ab.json (every round's rows, every side); the comparison is printed.
+# Checks of this checkout in the same call, run after the builds and before the
+# rounds (then this checkout is installed as `pip install .` with the test-only
+# FFI targets, as tools/gpu_check.sh's build does, and timed from there):
+#   TESTS="tests/sparse_mla/test_gpu.py -k negative"  one pytest run (--run-large,
+#                                                     JAX_ATTN_DIST_REQUIRE_GPU=1): $OUT/tests.log
+#   SAN="memcheck:sparse_mla:sparse_mla_fwd_kernel racecheck:sparse_mla_bwd:sparse_mla_bwd_kernel"
+#       compute-sanitizer TOOL on tests/support/sanitizer_run.py MODE, kernels
+#       matching KERNEL: $OUT/san_TOOL_MODE.log
+# A failed check is printed and makes the exit status 2; the rounds still run.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 ROUNDS=${ROUNDS:-2}
@@ -28,24 +37,47 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) / ${#labels[@]} > 1 ? $(nproc) / ${#labels[@]} : 1 ))
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/nvidia_cutlass*.whl
 rm -rf /tmp/ab && mkdir -p /tmp/ab
+checks=${TESTS:-}${SAN:-}
+last=$(( ${#labels[@]} - 1 ))
 pids=()
 for i in "${!labels[@]}"; do
   src=$PWD
   if [ -n "${tars[$i]}" ]; then
     src=/tmp/ab/src$i && mkdir -p "$src" && tar -xf "${tars[$i]}" -C "$src"
   fi
-  (cd "$src" && PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab/side$i" . \
-     > "/tmp/ab/side$i.build.log" 2>&1) &
+  if [ "$i" = "$last" ] && [ -n "$checks" ]; then  # this checkout, installed for the checks
+    (PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps \
+       -C cmake.define.JAX_ATTN_DIST_TEST_TARGETS=ON . > "/tmp/ab/side$i.build.log" 2>&1) &
+  else
+    (cd "$src" && PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab/side$i" . \
+       > "/tmp/ab/side$i.build.log" 2>&1) &
+  fi
   pids+=($!)
 done
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || { echo "side ${labels[$i]}: build failed"; tail -30 "/tmp/ab/side$i.build.log"; exit 1; }
 done
+side_path() {  # the side's package ahead of the CUTLASS wheel (this checkout's installed one, where checks ran)
+  if [ "$1" = "$last" ] && [ -n "$checks" ]; then echo /tmp/site; else echo "/tmp/ab/side$1:/tmp/site"; fi
+}
+status=0
+if [ -n "${TESTS:-}" ]; then
+  # shellcheck disable=SC2086  # TESTS is a pytest argument list
+  JAX_ATTN_DIST_REQUIRE_GPU=1 PYTHONPATH=/tmp/site timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -rfEs $TESTS \
+    --run-large -p no:cacheprovider > "$OUT/tests.log" 2>&1 || status=2
+  echo "tests: $(tail -n 1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log"
+fi
+for spec in ${SAN:-}; do
+  IFS=: read -r tool mode kernel <<< "$spec"
+  PYTHONPATH=/tmp/site timeout "${SAN_LIMIT:-300}" compute-sanitizer --tool "$tool" --kernel-name "kns=$kernel" \
+    --error-exitcode 9 python3 tests/support/sanitizer_run.py "$mode" > "$OUT/san_${tool}_$mode.log" 2>&1 || status=2
+  echo "$tool $mode: $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/san_${tool}_$mode.log" | tail -n 1)"
+done
 bench_dir=$PWD/benchmarks
 for ((r = 1; r <= ROUNDS; r++)); do
   for i in "${!labels[@]}"; do
     # Run from /tmp so that no checkout's package shadows the built one.
-    (cd /tmp && PYTHONPATH="/tmp/ab/side$i:/tmp/site" JAX_ATTN_DIST_COMMIT=${labels[$i]} timeout 400 \
+    (cd /tmp && PYTHONPATH="$(side_path "$i")" JAX_ATTN_DIST_COMMIT=${labels[$i]} timeout 400 \
        python3 "$bench_dir/bench.py" --no-xla --shapes "${shapes[@]}" --json "/tmp/ab/side$i-$r.json" \
        > "/tmp/ab/side$i-$r.log" 2>&1) || { tail -30 "/tmp/ab/side$i-$r.log"; exit 1; }
   done
@@ -72,3 +104,5 @@ for r in range(1, rounds + 1):
                     cells.append(f"{label} {row[key]:9.3f} ({row[key] / base[key] - 1:+.1%})")
             print(f"  {base['name']:<18}{key:<22}{first} " + "  ".join(cells))
 PY
+
+exit $status
