@@ -13,13 +13,12 @@
 # package differs); a shape an older package cannot serve fails its side.
 # Writes $OUT/ab.json (every round's rows, every side); the comparison is printed.
 # Checks of this checkout in the same call, run after the builds and before the
-# rounds (then this checkout is installed as `pip install .` with the test-only
-# FFI targets, as tools/gpu_check.sh's build does, and timed from there):
+# rounds (this checkout is then built first, by tools/gpu_check.sh's build step
+# with its test-only FFI targets and build-id check, alone: that step reinstalls
+# the CUTLASS wheel the other builds read; and timed from that install):
 #   TESTS="tests/sparse_mla/test_gpu.py -k negative"  one pytest run (--run-large,
 #                                                     JAX_ATTN_DIST_REQUIRE_GPU=1): $OUT/tests.log
-#   SAN="memcheck:sparse_mla:sparse_mla_fwd_kernel racecheck:sparse_mla_bwd:sparse_mla_bwd_kernel"
-#       compute-sanitizer TOOL on tests/support/sanitizer_run.py MODE, kernels
-#       matching KERNEL: $OUT/san_TOOL_MODE.log
+#   CHECKS="sanitize-bwd sanitize-new"                tools/gpu_check.sh steps: $OUT/checks/
 # A failed check is printed and makes the exit status 2; the rounds still run.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -35,23 +34,24 @@ done
 labels+=("$new") tars+=("")
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) / ${#labels[@]} > 1 ? $(nproc) / ${#labels[@]} : 1 ))
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/nvidia_cutlass*.whl
 rm -rf /tmp/ab && mkdir -p /tmp/ab
-checks=${TESTS:-}${SAN:-}
+checks=${TESTS:-}${CHECKS:-}
 last=$(( ${#labels[@]} - 1 ))
+if [ -n "$checks" ]; then  # this checkout, installed for the checks (CUTLASS with it)
+  OUT=$OUT/checks CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) bash tools/gpu_check.sh build > /tmp/ab/checks.build.log 2>&1 ||
+    { echo "this checkout: build failed"; tail -30 /tmp/ab/checks.build.log; exit 1; }
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/nvidia_cutlass*.whl
+fi
 pids=()
 for i in "${!labels[@]}"; do
+  [ "$i" = "$last" ] && [ -n "$checks" ] && continue  # built above
   src=$PWD
   if [ -n "${tars[$i]}" ]; then
     src=/tmp/ab/src$i && mkdir -p "$src" && tar -xf "${tars[$i]}" -C "$src"
   fi
-  if [ "$i" = "$last" ] && [ -n "$checks" ]; then  # this checkout, installed for the checks
-    (PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps \
-       -C cmake.define.JAX_ATTN_DIST_TEST_TARGETS=ON . > "/tmp/ab/side$i.build.log" 2>&1) &
-  else
-    (cd "$src" && PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab/side$i" . \
-       > "/tmp/ab/side$i.build.log" 2>&1) &
-  fi
+  (cd "$src" && PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/ab/side$i" . \
+     > "/tmp/ab/side$i.build.log" 2>&1) &
   pids+=($!)
 done
 for i in "${!pids[@]}"; do
@@ -67,12 +67,10 @@ if [ -n "${TESTS:-}" ]; then
     --run-large -p no:cacheprovider > "$OUT/tests.log" 2>&1 || status=2
   echo "tests: $(tail -n 1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log"
 fi
-for spec in ${SAN:-}; do
-  IFS=: read -r tool mode kernel <<< "$spec"
-  PYTHONPATH=/tmp/site timeout "${SAN_LIMIT:-300}" compute-sanitizer --tool "$tool" --kernel-name "kns=$kernel" \
-    --error-exitcode 9 python3 tests/support/sanitizer_run.py "$mode" > "$OUT/san_${tool}_$mode.log" 2>&1 || status=2
-  echo "$tool $mode: $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/san_${tool}_$mode.log" | tail -n 1)"
-done
+if [ -n "${CHECKS:-}" ]; then
+  # shellcheck disable=SC2086  # CHECKS is a list of gpu_check.sh steps
+  OUT=$OUT/checks bash tools/gpu_check.sh $CHECKS | sed -n '/^== summary/,$p' || status=2
+fi
 bench_dir=$PWD/benchmarks
 for ((r = 1; r <= ROUNDS; r++)); do
   for i in "${!labels[@]}"; do

@@ -11,7 +11,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} XLA_PYTHON_CLIENT_PREALLOCATE=false
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test demo bench)
