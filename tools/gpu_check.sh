@@ -18,7 +18,7 @@ steps=("$@")
 status=()
 failed=0
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}  # a hung kernel must not eat the whole call
-TEST_TIMEOUT=${TEST_TIMEOUT:-480}  # the GPU suite's groups side by side: 300-450 s on an H200 (its slowest group); with build, add about 80 s
+TEST_TIMEOUT=${TEST_TIMEOUT:-570}  # the GPU suite's groups side by side: 300-505 s on an H200 (its slowest group); with build, add about 80 s
 unset STEP_LIMIT                   # set per step only (run's override)
 run() {  # name, command...  (the step's limit: $STEP_LIMIT if set, else STEP_TIMEOUT)
   local name=$1; shift
