@@ -2,10 +2,10 @@
 the GPU (skipped elsewhere, see conftest.py; a built extension without this
 op's FFI target skips too, or fails under JAX_ATTN_DIST_REQUIRE_GPU).
 
-There is no test-only twin of the FFI target that writes into a poisoned
-output, so unwritten outputs are caught differently: every case runs twice
-on different inputs of the same shapes (the same XLA buffers are likely to
-be reused), and each result must match its own inputs' oracle. Covered: head
+Unwritten outputs are caught here by running every case twice on different
+inputs of the same shapes (the same XLA buffers are likely to be reused),
+each result matching its own inputs' oracle; test_gpu_poisoned.py runs the
+kernels through their test-only FFI twins into poisoned buffers. Covered: head
 counts 1, 64, 65, 128, 200; T 1, 63, 65, 2048; D 512 and 576; both lse
 bases; adversarial indices and rows with no valid slot (out exactly 0, lse
 -inf); packed rows with topk_length; batches with per-batch q_start;
