@@ -1,7 +1,9 @@
-"""XLA command buffers (CUDA graphs) around both ops' kernels: the custom
-calls are captured into a command buffer and give the same bits as without
-one. GPU only (see conftest.py); each run is a child process with its own
-XLA flags."""
+"""XLA command buffers (CUDA graphs) around the kernels: attn_dist and the
+indexer_kl forward, then a training step of the DSA layer (indexer_topk,
+the sparse MLA forward and backward, attn_dist and the indexer loss). The
+custom calls are captured into a command buffer and give the same bits as
+without one. GPU only (see conftest.py); each run is a child process with
+its own XLA flags."""
 
 from __future__ import annotations
 
@@ -15,8 +17,12 @@ import tempfile
 import numpy as np
 import pytest
 
+from inputs import require_ffi_targets
 from jax_attn_dist.ops.attn_dist.contract import FFI_TARGET
+from jax_attn_dist.ops.indexer import contract as indexer_contract
 from jax_attn_dist.ops.indexer.contract import FWD_FFI_TARGET as FFI_INDEXER_FWD
+from jax_attn_dist.ops.indexer_topk import contract as topk_contract
+from jax_attn_dist.ops.sparse_mla import contract as mla_contract
 
 pytestmark = pytest.mark.gpu
 
@@ -99,7 +105,69 @@ with open(prof_dir + ".json", "w") as fh:
 """
 
 
-def _run_child(flags: str, workdir: str, tag: str):
+# A deterministic training step of the layer (every op's kernel; dkv and the
+# indexer's gradients by fixed-point sums, so that every output repeats bit
+# for bit), on two input sets of the same shapes and static arguments.
+_DSA_CHILD = r"""
+import sys
+import numpy as np
+import jax, jax.numpy as jnp
+from dsa_cases import make_dsa_inputs, split_arrays
+from inputs import seed_of
+import jax_attn_dist
+
+out_npz, hlo_path, prof_dir = sys.argv[1:4]
+assert jax.default_backend() == "gpu" and jax_attn_dist.kernel_available()
+shape = dict(B=2, S=128, N=512, H=128, D=576, d_v=512, HI=64, DI=128, topk=256, dtype=jnp.bfloat16)
+sets, static = [], None
+for tag in ("a", "b"):
+    arrays, kw = make_dsa_inputs(seed_of("gpu-cmdbuf-dsa", tag), **shape, q_start_index="batch")
+    kw_static, traced = split_arrays(kw)
+    static = static or kw_static  # one executable for both sets
+    g = jnp.asarray(np.random.default_rng(len(sets)).standard_normal((2, 128, 128, 512)), jnp.float32)
+    sets.append((*arrays, traced["q_start_index"], g))
+
+def loss(q, kv, iq, ik, w, starts, g):
+    r = jax_attn_dist.dsa_attention(q, kv, iq, ik, w, q_start_index=starts, deterministic=True, **static)
+    return jnp.sum(r.out.astype(jnp.float32) * g) + jnp.mean(r.indexer_kl), r
+
+step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+open(hlo_path, "w").write(step.lower(*sets[0]).compile().as_text())
+results = {}
+for run in range(6):  # graph capture / instantiation, then replays with other buffers
+    (value, r), grads = step(*sets[run % 2])
+    results[f"value{run}"] = np.asarray(value, np.float32)
+    grad_names = ("d_q", "d_kv", "d_index_q", "d_index_k", "d_weights")
+    for name, x in (("out", r.out), ("kl", r.indexer_kl), ("lse", r.lse), *zip(grad_names, grads)):
+        results[f"{name}{run}"] = np.asarray(x.astype(jnp.float32))
+    results[f"indices{run}"] = np.asarray(r.indices)
+np.savez(out_npz, **results)
+
+# where did the kernels run? (as in the first child)
+import glob, gzip, json, os
+kernels = ("indexer_topk", "sparse_mla_fwd_kernel", "sparse_mla_bwd_kernel")
+try:
+    with jax.profiler.trace(prof_dir):
+        for run in range(4):
+            jax.block_until_ready(step(*sets[run % 2]))
+    files = sorted(glob.glob(os.path.join(prof_dir, "**", "*.trace.json.gz"), recursive=True))
+    with gzip.open(files[-1]) as fh:
+        events = json.load(fh)["traceEvents"]
+    in_graph = lambda e: any("graph" in str(key).lower() and str(val) not in ("0", "", "None", "-1")
+                             for key, val in (e.get("args") or {}).items())
+    summary = dict(error=None)
+    for name in kernels:
+        hits = [e for e in events if name in str(e.get("name", ""))]
+        summary[f"{name}_events"] = len(hits)
+        summary[f"{name}_events_in_graph"] = sum(map(in_graph, hits))
+except Exception as e:  # a profiler problem must not hide the results above
+    summary = dict(error=repr(e))
+with open(prof_dir + ".json", "w") as fh:
+    json.dump(summary, fh, default=str)
+"""
+
+
+def _run_child(flags: str, workdir: str, tag: str, child: str = _CHILD):
     env = dict(os.environ)
     kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(("--xla_gpu_enable_command_buffer",
                                                                               "--xla_gpu_graph_min_graph_size",
@@ -109,7 +177,7 @@ def _run_child(flags: str, workdir: str, tag: str):
     env["PYTHONPATH"] = os.pathsep.join([ROOT, SUPPORT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     npz, hlo = os.path.join(workdir, f"{tag}.npz"), os.path.join(workdir, f"{tag}.hlo.txt")
     prof = os.path.join(workdir, f"profile_{tag}")
-    r = subprocess.run([sys.executable, "-c", _CHILD, npz, hlo, prof], env=env, cwd=workdir,
+    r = subprocess.run([sys.executable, "-c", child, npz, hlo, prof], env=env, cwd=workdir,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"child ({flags}) failed:\n{r.stderr[-4000:]}"
     with open(hlo) as fh, open(prof + ".json") as fp:
@@ -211,3 +279,64 @@ def test_command_buffer_captures_the_indexer_kernel(cmdbuf_runs):
         f"no evidence that the indexer custom call was captured.\nprofile on: {prof_on}\noff: {prof_off}")
     assert not off_hlo and not off_dumps
     assert prof_off.get("indexer_events_in_graph", 0) == 0, f"graph ids without command buffers: {prof_off}"
+
+
+# ----------------------------------------------------------------------------
+# the DSA layer's training step
+# ----------------------------------------------------------------------------
+
+DSA_KERNELS = {  # FFI target: the kernel name its profile events carry
+    topk_contract.FFI_TARGET: "indexer_topk",
+    mla_contract.FFI_TARGET: "sparse_mla_fwd_kernel",
+    mla_contract.BWD_FFI_TARGET: "sparse_mla_bwd_kernel",
+}
+
+
+@pytest.fixture(scope="module")
+def dsa_cmdbuf_runs():
+    require_ffi_targets(*DSA_KERNELS, indexer_contract.BWD_FFI_TARGET)
+    with tempfile.TemporaryDirectory() as d:
+        on, hlo_on, dump_on, prof_on = _run_child(CB_FLAGS, d, "dsa_on", _DSA_CHILD)
+        off, hlo_off, dump_off, prof_off = _run_child(NO_CB_FLAGS, d, "dsa_off", _DSA_CHILD)
+        yield dict(on=on, off=off, hlo_on=hlo_on, hlo_off=hlo_off, prof_on=prof_on, prof_off=prof_off,
+                   dumps_on=_dump_texts(dump_on), dumps_off=_dump_texts(dump_off))
+
+
+# What the kernels write, bit for bit with and without command buffers; the
+# loss value is XLA's own reduction, and the indexer's input gradients pass
+# through XLA's elementwise work and reductions, compiled under other flags.
+_DSA_KERNEL_OUTPUTS = ("out", "kl", "lse", "indices", "d_q", "d_kv")
+
+
+def test_dsa_step_command_buffers_give_identical_bits(dsa_cmdbuf_runs):
+    on, off = dsa_cmdbuf_runs["on"], dsa_cmdbuf_runs["off"]
+    assert on.keys() == off.keys()
+    for key in sorted(on):
+        a, b = on[key], off[key]
+        assert a.shape == b.shape and a.dtype == b.dtype, key
+        if key.rstrip("0123456789") in _DSA_KERNEL_OUTPUTS:
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: command-buffer run differs"
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=f"{key}: command-buffer run differs")
+    names = {key.rstrip("0123456789") for key in on}
+    for run in range(2, 6):  # replays of one executable repeat the first runs bit for bit (deterministic mode)
+        for name in names:
+            assert np.array_equal(on[f"{name}{run}"].view(np.uint32), on[f"{name}{run % 2}"].view(np.uint32)), \
+                f"{name}: replay {run} differs"
+    for name in ("out", "indices", "d_kv"):
+        assert not np.array_equal(on[f"{name}0"], on[f"{name}1"]), f"{name}: both input sets gave the same"
+
+
+@pytest.mark.parametrize("target", sorted(DSA_KERNELS))
+def test_command_buffer_captures_the_dsa_kernels(dsa_cmdbuf_runs, target):
+    """The evidence of test_command_buffer_captures_the_custom_call for the
+    top-k and both sparse MLA kernels in the layer's step."""
+    runs, kernel = dsa_cmdbuf_runs, DSA_KERNELS[target]
+    assert target in runs["hlo_on"] and target in runs["hlo_off"]
+    in_hlo, in_dumps = _capture_evidence(runs["hlo_on"], runs["dumps_on"], target)
+    off_hlo, off_dumps = _capture_evidence(runs["hlo_off"], runs["dumps_off"], target)
+    prof_on, prof_off = runs["prof_on"], runs["prof_off"]
+    assert in_hlo or in_dumps or prof_on.get(f"{kernel}_events_in_graph", 0) > 0, (
+        f"no evidence that {target} was captured.\nprofile on: {prof_on}\noff: {prof_off}")
+    assert not off_hlo and not off_dumps, f"the search also matches without command buffers: {off_hlo} {off_dumps}"
+    assert prof_off.get(f"{kernel}_events_in_graph", 0) == 0, f"graph ids without command buffers: {prof_off}"
