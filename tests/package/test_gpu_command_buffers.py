@@ -316,8 +316,9 @@ def test_dsa_step_command_buffers_give_identical_bits(dsa_cmdbuf_runs):
         assert a.shape == b.shape and a.dtype == b.dtype, key
         if key.rstrip("0123456789") in _DSA_KERNEL_OUTPUTS:
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: command-buffer run differs"
-        else:
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=f"{key}: command-buffer run differs")
+        else:  # summed in another order at most: within float32 rounding of the largest entry
+            tol = (1e-4 if key.startswith("value") else 1e-5) * float(np.abs(b).max())
+            np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=f"{key}: command-buffer run differs")
     names = {key.rstrip("0123456789") for key in on}
     for run in range(2, 6):  # replays of one executable repeat the first runs bit for bit (deterministic mode)
         for name in names:
