@@ -131,12 +131,15 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
             python3 tests/support/sanitizer_run.py "$mode"
         done
       done ;;
-    sanitize-bwd)  # sparse_mla's backward: its main kernel under every tool, all its kernels (and the
-                   # deterministic backwards' per-shard steps for sharded rows) under memcheck
+    sanitize-bwd)  # sparse_mla's backward: its main kernel and the row preprocess (the one small kernel with
+                   # shared memory and barriers) under every tool, all its kernels (and the deterministic
+                   # backwards' per-shard steps for sharded rows) under memcheck
       run sanitize-memcheck-sparse_mla_bwd compute-sanitizer --tool memcheck --error-exitcode 9 \
         python3 tests/support/sanitizer_run.py sparse_mla_bwd sharded_steps
       for tool in racecheck synccheck; do
         run "sanitize-$tool-sparse_mla_bwd" compute-sanitizer --tool "$tool" --kernel-name kns=sparse_mla_bwd_kernel \
+          --error-exitcode 9 python3 tests/support/sanitizer_run.py sparse_mla_bwd
+        run "sanitize-$tool-sparse_mla_row_terms" compute-sanitizer --tool "$tool" --kernel-name kns=row_terms_kernel \
           --error-exitcode 9 python3 tests/support/sanitizer_run.py sparse_mla_bwd
       done ;;
     timeline)  # a build with the step marks (common/timeline.cuh), in a directory of its own so that
