@@ -132,8 +132,8 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
         done
       done ;;
     sanitize-bwd)  # sparse_mla's backward: its main kernel and the row preprocess (the one small kernel with
-                   # shared memory and barriers) under every tool, all its kernels (and the deterministic
-                   # backwards' per-shard steps for sharded rows) under memcheck
+                   # shared memory and a barrier, in its deterministic form) under every tool, all its kernels
+                   # (and the deterministic backwards' per-shard steps for sharded rows) under memcheck
       run sanitize-memcheck-sparse_mla_bwd compute-sanitizer --tool memcheck --error-exitcode 9 \
         python3 tests/support/sanitizer_run.py sparse_mla_bwd sharded_steps
       for tool in racecheck synccheck; do

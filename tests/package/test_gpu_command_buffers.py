@@ -1,9 +1,11 @@
 """XLA command buffers (CUDA graphs) around the kernels: attn_dist and the
-indexer_kl forward, then a training step of the DSA layer (indexer_topk,
-the sparse MLA forward and backward, attn_dist and the indexer loss). The
-custom calls are captured into a command buffer and give the same bits as
-without one. GPU only (see conftest.py); each run is a child process with
-its own XLA flags."""
+indexer_kl forward, then a deterministic training step of the DSA layer
+(its five ops' kernels: indexer_topk, the sparse MLA forward and backward,
+attn_dist, the indexer loss forward and backward). Each custom call is
+captured into a command buffer, and what the kernels write has the same
+bits as without one (the step's loss, XLA's own reduction, within rounding).
+GPU only (see conftest.py); each run is a child process with its own XLA
+flags."""
 
 from __future__ import annotations
 
@@ -74,34 +76,10 @@ for run in range(6):  # graph capture / instantiation, then replays with other b
     results[f"kl{run}"] = np.asarray(kl)
 np.savez(out_npz, **results)
 
-# where did the kernel run? A profile of a few more calls: kernel activity
-# launched from a CUDA graph carries a graph id; graph launches show up as API calls
-import glob, gzip, json, os
-prof_dir = sys.argv[3]
-try:
-    with jax.profiler.trace(prof_dir):
-        for run in range(4):
-            jax.block_until_ready(f(*sets[run % 2]))
-    files = sorted(glob.glob(os.path.join(prof_dir, "**", "*.trace.json.gz"), recursive=True))
-    with gzip.open(files[-1]) as fh:
-        events = json.load(fh)["traceEvents"]
-    kernel = [e for e in events if "attn_dist_kernel" in str(e.get("name", ""))]
-    indexer = [e for e in events if "indexer_fwd_kernel" in str(e.get("name", ""))]
-    in_graph = lambda e: any("graph" in str(key).lower() and str(val) not in ("0", "", "None", "-1")
-                             for key, val in (e.get("args") or {}).items())
-    summary = dict(
-        kernel_events=len(kernel),
-        kernel_events_in_graph=sum(map(in_graph, kernel)),
-        indexer_events=len(indexer),
-        indexer_events_in_graph=sum(map(in_graph, indexer)),
-        graph_launch_events=sum("graphlaunch" in str(e.get("name", "")).lower() for e in events),
-        kernel_args=[e.get("args") for e in kernel[:4]],
-        error=None,
-    )
-except Exception as e:  # a profiler problem must not hide the results above
-    summary = dict(error=repr(e))
-with open(prof_dir + ".json", "w") as fh:
-    json.dump(summary, fh, default=str)
+# where did the kernels run?
+from kernel_profile import write_graph_summary
+write_graph_summary(lambda run: f(*sets[run % 2]), sys.argv[3],
+                    {"kernel": "attn_dist_kernel", "indexer": "indexer_fwd_kernel"})
 """
 
 
@@ -114,6 +92,7 @@ import numpy as np
 import jax, jax.numpy as jnp
 from dsa_cases import make_dsa_inputs, split_arrays
 from inputs import seed_of
+from kernel_profile import write_graph_summary
 import jax_attn_dist
 
 out_npz, hlo_path, prof_dir = sys.argv[1:4]
@@ -123,47 +102,36 @@ sets, static = [], None
 for tag in ("a", "b"):
     arrays, kw = make_dsa_inputs(seed_of("gpu-cmdbuf-dsa", tag), **shape, q_start_index="batch")
     kw_static, traced = split_arrays(kw)
-    static = static or kw_static  # one executable for both sets
-    g = jnp.asarray(np.random.default_rng(len(sets)).standard_normal((2, 128, 128, 512)), jnp.float32)
+    static = static or kw_static  # set a's scales for both sets: one executable
+    out_dims = tuple(shape[k] for k in ("B", "S", "H", "d_v"))
+    g = jnp.asarray(np.random.default_rng(len(sets)).standard_normal(out_dims), jnp.float32)
     sets.append((*arrays, traced["q_start_index"], g))
 
 def loss(q, kv, iq, ik, w, starts, g):
-    r = jax_attn_dist.dsa_attention(q, kv, iq, ik, w, q_start_index=starts, deterministic=True, **static)
-    return jnp.sum(r.out.astype(jnp.float32) * g) + jnp.mean(r.indexer_kl), r
+    r = jax_attn_dist.dsa_attention(q, kv, iq, ik, w, q_start_index=starts, deterministic=True,
+                                    implementation="cuda", **static)
+    terms = r.out.astype(jnp.float32) * g
+    # the loss, and the size of the terms it sums (for the tolerance of a sum in another order)
+    return jnp.sum(terms) + jnp.mean(r.indexer_kl), (r, jnp.sum(jnp.abs(terms)))
 
 step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 open(hlo_path, "w").write(step.lower(*sets[0]).compile().as_text())
 results = {}
+grad_names = ("d_q", "d_kv", "d_index_q", "d_index_k", "d_weights")
 for run in range(6):  # graph capture / instantiation, then replays with other buffers
-    (value, r), grads = step(*sets[run % 2])
+    (value, (r, terms_abs)), grads = step(*sets[run % 2])
     results[f"value{run}"] = np.asarray(value, np.float32)
-    grad_names = ("d_q", "d_kv", "d_index_q", "d_index_k", "d_weights")
+    results[f"termsabs{run}"] = np.asarray(terms_abs, np.float32)
     for name, x in (("out", r.out), ("kl", r.indexer_kl), ("lse", r.lse), *zip(grad_names, grads)):
         results[f"{name}{run}"] = np.asarray(x.astype(jnp.float32))
     results[f"indices{run}"] = np.asarray(r.indices)
 np.savez(out_npz, **results)
 
-# where did the kernels run? (as in the first child)
-import glob, gzip, json, os
-kernels = ("indexer_topk", "sparse_mla_fwd_kernel", "sparse_mla_bwd_kernel")
-try:
-    with jax.profiler.trace(prof_dir):
-        for run in range(4):
-            jax.block_until_ready(step(*sets[run % 2]))
-    files = sorted(glob.glob(os.path.join(prof_dir, "**", "*.trace.json.gz"), recursive=True))
-    with gzip.open(files[-1]) as fh:
-        events = json.load(fh)["traceEvents"]
-    in_graph = lambda e: any("graph" in str(key).lower() and str(val) not in ("0", "", "None", "-1")
-                             for key, val in (e.get("args") or {}).items())
-    summary = dict(error=None)
-    for name in kernels:
-        hits = [e for e in events if name in str(e.get("name", ""))]
-        summary[f"{name}_events"] = len(hits)
-        summary[f"{name}_events_in_graph"] = sum(map(in_graph, hits))
-except Exception as e:  # a profiler problem must not hide the results above
-    summary = dict(error=repr(e))
-with open(prof_dir + ".json", "w") as fh:
-    json.dump(summary, fh, default=str)
+# where did the kernels run?
+write_graph_summary(lambda run: step(*sets[run % 2]), prof_dir,
+                    {"topk": "indexer_topk", "mla_fwd": "sparse_mla_fwd_kernel", "mla_bwd": "sparse_mla_bwd_kernel",
+                     "attn_dist": "attn_dist_kernel", "indexer_fwd": "indexer_fwd_kernel",
+                     "indexer_bwd": "indexer_bwd_kernel"})
 """
 
 
@@ -194,13 +162,18 @@ def _dump_texts(dump_dir):
     return texts
 
 
-@pytest.fixture(scope="module")
-def cmdbuf_runs():
+def _child_runs(child: str, tag: str):
+    """The child run with command buffers and without, in a temporary directory."""
     with tempfile.TemporaryDirectory() as d:
-        on, hlo_on, dump_on, prof_on = _run_child(CB_FLAGS, d, "on")
-        off, hlo_off, dump_off, prof_off = _run_child(NO_CB_FLAGS, d, "off")
+        on, hlo_on, dump_on, prof_on = _run_child(CB_FLAGS, d, f"{tag}on", child)
+        off, hlo_off, dump_off, prof_off = _run_child(NO_CB_FLAGS, d, f"{tag}off", child)
         yield dict(on=on, off=off, hlo_on=hlo_on, hlo_off=hlo_off, prof_on=prof_on, prof_off=prof_off,
                    dumps_on=_dump_texts(dump_on), dumps_off=_dump_texts(dump_off))
+
+
+@pytest.fixture(scope="module")
+def cmdbuf_runs():
+    yield from _child_runs(_CHILD, "")
 
 
 def test_command_buffers_give_identical_bits(cmdbuf_runs):
@@ -248,96 +221,79 @@ def _capture_evidence(hlo: str, dumps: dict, target: str = FFI_TARGET):
     return in_hlo, in_dumps
 
 
-def test_command_buffer_captures_the_custom_call(cmdbuf_runs):
+def _assert_captured(runs: dict, target: str, profile_key: str) -> None:
     """With command buffers on, the custom call is inside one: evidence in the
     optimised HLO, in XLA's dumps, or in a profile (the kernel's activity
     carries a CUDA graph id); with them off, the same searches find nothing
     (a control for the searches themselves)."""
-    assert FFI_TARGET in cmdbuf_runs["hlo_on"] and FFI_TARGET in cmdbuf_runs["hlo_off"]
-    in_hlo, in_dumps = _capture_evidence(cmdbuf_runs["hlo_on"], cmdbuf_runs["dumps_on"])
-    off_hlo, off_dumps = _capture_evidence(cmdbuf_runs["hlo_off"], cmdbuf_runs["dumps_off"])
-    prof_on, prof_off = cmdbuf_runs["prof_on"], cmdbuf_runs["prof_off"]
-    in_profile = prof_on.get("kernel_events_in_graph", 0) > 0
-    comps = [n for n in _computations(cmdbuf_runs["hlo_on"]) if "command_buffer" in n]
-    assert in_hlo or in_dumps or in_profile, (
-        "no evidence that the custom call was captured into a command buffer.\n"
+    assert target in runs["hlo_on"] and target in runs["hlo_off"]
+    in_hlo, in_dumps = _capture_evidence(runs["hlo_on"], runs["dumps_on"], target)
+    off_hlo, off_dumps = _capture_evidence(runs["hlo_off"], runs["dumps_off"], target)
+    prof_on, prof_off = runs["prof_on"], runs["prof_off"]
+    comps = [n for n in _computations(runs["hlo_on"]) if "command_buffer" in n]
+    assert in_hlo or in_dumps or prof_on.get(f"{profile_key}_events_in_graph", 0) > 0, (
+        f"no evidence that {target} was captured into a command buffer.\n"
         f"command_buffer computations in the HLO: {comps}\n"
         f"profile with command buffers: {prof_on}\nprofile without: {prof_off}\n"
-        f"dump files: {sorted(cmdbuf_runs['dumps_on'])[:60]}"
+        f"dump files: {sorted(runs['dumps_on'])[:60]}"
     )
     assert not off_hlo and not off_dumps, f"the search also matches without command buffers: {off_hlo} {off_dumps}"
-    assert prof_off.get("kernel_events_in_graph", 0) == 0, f"graph ids without command buffers: {prof_off}"
+    assert prof_off.get(f"{profile_key}_events_in_graph", 0) == 0, f"graph ids without command buffers: {prof_off}"
+
+
+def test_command_buffer_captures_the_custom_call(cmdbuf_runs):
+    _assert_captured(cmdbuf_runs, FFI_TARGET, "kernel")
 
 
 def test_command_buffer_captures_the_indexer_kernel(cmdbuf_runs):
-    """The same evidence for the indexer_kl forward's custom call."""
-    assert FFI_INDEXER_FWD in cmdbuf_runs["hlo_on"]
-    in_hlo, in_dumps = _capture_evidence(cmdbuf_runs["hlo_on"], cmdbuf_runs["dumps_on"], FFI_INDEXER_FWD)
-    off_hlo, off_dumps = _capture_evidence(cmdbuf_runs["hlo_off"], cmdbuf_runs["dumps_off"], FFI_INDEXER_FWD)
-    prof_on, prof_off = cmdbuf_runs["prof_on"], cmdbuf_runs["prof_off"]
-    assert in_hlo or in_dumps or prof_on.get("indexer_events_in_graph", 0) > 0, (
-        f"no evidence that the indexer custom call was captured.\nprofile on: {prof_on}\noff: {prof_off}")
-    assert not off_hlo and not off_dumps
-    assert prof_off.get("indexer_events_in_graph", 0) == 0, f"graph ids without command buffers: {prof_off}"
+    _assert_captured(cmdbuf_runs, FFI_INDEXER_FWD, "indexer")
 
 
 # ----------------------------------------------------------------------------
 # the DSA layer's training step
 # ----------------------------------------------------------------------------
 
-DSA_KERNELS = {  # FFI target: the kernel name its profile events carry
-    topk_contract.FFI_TARGET: "indexer_topk",
-    mla_contract.FFI_TARGET: "sparse_mla_fwd_kernel",
-    mla_contract.BWD_FFI_TARGET: "sparse_mla_bwd_kernel",
+DSA_TARGETS = {  # FFI target: its kernel's key in the child's profile summary
+    topk_contract.FFI_TARGET: "topk",
+    mla_contract.FFI_TARGET: "mla_fwd",
+    mla_contract.BWD_FFI_TARGET: "mla_bwd",
+    FFI_TARGET: "attn_dist",
+    FFI_INDEXER_FWD: "indexer_fwd",
+    indexer_contract.BWD_FFI_TARGET: "indexer_bwd",
 }
 
 
 @pytest.fixture(scope="module")
 def dsa_cmdbuf_runs():
-    require_ffi_targets(*DSA_KERNELS, indexer_contract.BWD_FFI_TARGET)
-    with tempfile.TemporaryDirectory() as d:
-        on, hlo_on, dump_on, prof_on = _run_child(CB_FLAGS, d, "dsa_on", _DSA_CHILD)
-        off, hlo_off, dump_off, prof_off = _run_child(NO_CB_FLAGS, d, "dsa_off", _DSA_CHILD)
-        yield dict(on=on, off=off, hlo_on=hlo_on, hlo_off=hlo_off, prof_on=prof_on, prof_off=prof_off,
-                   dumps_on=_dump_texts(dump_on), dumps_off=_dump_texts(dump_off))
-
-
-# What the kernels write, bit for bit with and without command buffers; the
-# loss value is XLA's own reduction, and the indexer's input gradients pass
-# through XLA's elementwise work and reductions, compiled under other flags.
-_DSA_KERNEL_OUTPUTS = ("out", "kl", "lse", "indices", "d_q", "d_kv")
+    require_ffi_targets(*DSA_TARGETS)
+    yield from _child_runs(_DSA_CHILD, "dsa_")
 
 
 def test_dsa_step_command_buffers_give_identical_bits(dsa_cmdbuf_runs):
+    """Everything but the loss is a kernel's output (with only elementwise
+    work after it; the target's sums run in a fixed order): bit for bit. The
+    loss is XLA's reduction over out * g, compiled under other flags: within
+    float32 rounding of the size of its terms (a sum in another order)."""
     on, off = dsa_cmdbuf_runs["on"], dsa_cmdbuf_runs["off"]
     assert on.keys() == off.keys()
     for key in sorted(on):
         a, b = on[key], off[key]
         assert a.shape == b.shape and a.dtype == b.dtype, key
-        if key.rstrip("0123456789") in _DSA_KERNEL_OUTPUTS:
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: command-buffer run differs"
-        else:  # summed in another order at most: within float32 rounding of the largest entry
-            tol = (1e-4 if key.startswith("value") else 1e-5) * float(np.abs(b).max())
+        if key.startswith(("value", "termsabs")):
+            run = key[len(key.rstrip("0123456789")):]
+            tol = 2e-6 * float(off[f"termsabs{run}"])
             np.testing.assert_allclose(a, b, rtol=0, atol=tol, err_msg=f"{key}: command-buffer run differs")
+        else:
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{key}: command-buffer run differs"
     names = {key.rstrip("0123456789") for key in on}
     for run in range(2, 6):  # replays of one executable repeat the first runs bit for bit (deterministic mode)
         for name in names:
             assert np.array_equal(on[f"{name}{run}"].view(np.uint32), on[f"{name}{run % 2}"].view(np.uint32)), \
                 f"{name}: replay {run} differs"
-    for name in ("out", "indices", "d_kv"):
+    for name in ("out", "indices", "d_kv", "d_index_k"):
         assert not np.array_equal(on[f"{name}0"], on[f"{name}1"]), f"{name}: both input sets gave the same"
 
 
-@pytest.mark.parametrize("target", sorted(DSA_KERNELS))
+@pytest.mark.parametrize("target", sorted(DSA_TARGETS))
 def test_command_buffer_captures_the_dsa_kernels(dsa_cmdbuf_runs, target):
-    """The evidence of test_command_buffer_captures_the_custom_call for the
-    top-k and both sparse MLA kernels in the layer's step."""
-    runs, kernel = dsa_cmdbuf_runs, DSA_KERNELS[target]
-    assert target in runs["hlo_on"] and target in runs["hlo_off"]
-    in_hlo, in_dumps = _capture_evidence(runs["hlo_on"], runs["dumps_on"], target)
-    off_hlo, off_dumps = _capture_evidence(runs["hlo_off"], runs["dumps_off"], target)
-    prof_on, prof_off = runs["prof_on"], runs["prof_off"]
-    assert in_hlo or in_dumps or prof_on.get(f"{kernel}_events_in_graph", 0) > 0, (
-        f"no evidence that {target} was captured.\nprofile on: {prof_on}\noff: {prof_off}")
-    assert not off_hlo and not off_dumps, f"the search also matches without command buffers: {off_hlo} {off_dumps}"
-    assert prof_off.get(f"{kernel}_events_in_graph", 0) == 0, f"graph ids without command buffers: {prof_off}"
+    _assert_captured(dsa_cmdbuf_runs, target, DSA_TARGETS[target])
