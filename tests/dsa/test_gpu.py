@@ -70,6 +70,20 @@ def test_default_lowering_calls_every_kernel():
         assert f"@{target}(" in text, target
 
 
+def test_vmap_equals_the_batched_call():
+    """vmap over the batch folds into the kernels' batch (every op's kernel
+    in the lowering): the batched call's bits."""
+    arrays, _, (static, traced) = inputs("vmap")
+    batched = jax.jit(layer(static, traced))
+    mapped = jax.jit(jax.vmap(lambda a, s: dsa_attention(*a, **static, q_start_index=s)))
+    text = mapped.lower(arrays, traced["q_start_index"]).as_text()
+    for target in FORWARD_TARGETS:
+        assert f"@{target}(" in text, target
+    want, got = batched(*arrays), mapped(arrays, traced["q_start_index"])
+    for name, a, b in zip(want._fields, got, want):
+        assert a.shape == b.shape and np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+
+
 def test_forward_matches_float64():
     arrays, kw, (static, traced) = inputs("forward")
     r = jax.jit(layer(static, traced))(*arrays)

@@ -1,6 +1,6 @@
-"""dsa_attention through the CUDA kernels with S sharded over 2 GPUs (skipped
-unless there are at least 2 CUDA GPUs and the compiled extension registers
-the ops' kernels, see conftest.py).
+"""dsa_attention through the CUDA kernels with S, or B, sharded over 2 GPUs
+(skipped unless there are at least 2 CUDA GPUs and the compiled extension
+registers the ops' kernels, see conftest.py).
 
 Every op computes each query row from that row's inputs and the replicated
 keys, so the forward's out, lse, indices and KL are one GPU's bits, with no
@@ -62,6 +62,26 @@ def test_forward_sequence_sharded_gives_one_gpus_bits():
         assert same_bits(getattr(got, name), getattr(want, name)), name
     assert float(np.asarray(want.indexer_kl).max()) > 0
     hlo = sharded.lower(*arrays).compile().as_text()
+    assert not collectives(hlo), collectives(hlo)
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+def test_forward_batch_sharded_gives_one_gpus_bits(shardy):
+    """B over the 2 GPUs, each batch element's keys with its rows, with Shardy
+    and with the legacy GSPMD partitioner: one GPU's bits, no collective."""
+    layer, arrays, _, _ = setup("batch")
+    batch = NamedSharding(gpu_mesh(2), P("x"))
+    want = jax.jit(layer)(*arrays)
+    prev = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        sharded = jax.jit(layer, in_shardings=(batch,) * len(OPERANDS), out_shardings=batch)
+        got = sharded(*arrays)
+        hlo = sharded.lower(*arrays).compile().as_text()
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", prev)
+    for name in ("out", "indexer_kl", "indices", "lse"):
+        assert same_bits(getattr(got, name), getattr(want, name)), name
     assert not collectives(hlo), collectives(hlo)
 
 
