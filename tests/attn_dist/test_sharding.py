@@ -26,7 +26,7 @@ from attn_dist_sharding_cases import (
     D, N, X8, XY24, XY42, Case, assert_same, case_inputs, in_specs, make_mesh, sharded_fn, unsharded,
 )
 from inputs import make_inputs, seed_of
-from sharding_util import collectives
+from sharding_util import collectives, partitioner
 
 pytestmark = pytest.mark.host_devices(8)
 
@@ -182,15 +182,11 @@ def test_pjit_style_partition_specs_under_mesh():
 def test_legacy_gspmd_partitioner():
     """jax_use_shardy_partitioner=False: the same decision through
     infer_sharding_from_operands."""
-    prev = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
+    with partitioner(shardy=False):
         for c in (CASES[2], CASES[11]):  # S sharded with causal offsets; heads in groups + S
             ref, out, hlo, mesh, _ = run_case(c)
             assert_same(out, ref)
             assert not collectives(hlo)
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", prev)
 
 
 def test_consumer_keeps_sharding():

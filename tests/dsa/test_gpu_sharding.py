@@ -26,7 +26,7 @@ from jax_attn_dist.ops.attn_dist import contract as attn_contract
 from jax_attn_dist.ops.indexer import contract as indexer_contract
 from jax_attn_dist.ops.indexer_topk import contract as topk_contract
 from jax_attn_dist.ops.sparse_mla import contract as mla_contract
-from sharding_util import collectives, gpu_mesh, same_bits
+from sharding_util import collectives, gpu_mesh, partitioner, same_bits
 
 pytestmark = pytest.mark.gpu(2)
 
@@ -72,14 +72,10 @@ def test_forward_batch_sharded_gives_one_gpus_bits(shardy):
     layer, arrays, _, _ = setup("batch")
     batch = NamedSharding(gpu_mesh(2), P("x"))
     want = jax.jit(layer)(*arrays)
-    prev = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", shardy)
-    try:
+    with partitioner(shardy):
         sharded = jax.jit(layer, in_shardings=(batch,) * len(OPERANDS), out_shardings=batch)
         got = sharded(*arrays)
         hlo = sharded.lower(*arrays).compile().as_text()
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", prev)
     for name in ("out", "indexer_kl", "indices", "lse"):
         assert same_bits(getattr(got, name), getattr(want, name)), name
     assert not collectives(hlo), collectives(hlo)

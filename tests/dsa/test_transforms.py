@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dsa_cases import check_selection, composed, layer_loss, make_dsa_inputs, oracle_layer, split_arrays
 from inputs import seed_of
 from jax_attn_dist import dsa_attention, oracle
-from sharding_util import collectives
+from sharding_util import collectives, partitioner
 
 SMALL = dict(S=16, N=24, H=4, D=24, HI=3, DI=16, topk=8, d_v=16)
 
@@ -99,12 +99,8 @@ def test_sharded_equals_unsharded(name):
 
 @pytest.mark.host_devices(8)
 def test_legacy_gspmd_partitioner():
-    prev = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
+    with partitioner(shardy=False):
         check_sharded("B over 2, S over 4")
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", prev)
 
 
 @pytest.mark.host_devices(8)

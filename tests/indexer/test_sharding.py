@@ -18,7 +18,7 @@ from inputs import make_indexer_inputs, seed_of
 from jaxpr_util import reductions
 from jax_attn_dist import indexer_kl, oracle
 from jax_attn_dist.ops.indexer import contract as indexer_contract
-from sharding_util import collectives
+from sharding_util import collectives, partitioner
 
 pytestmark = pytest.mark.host_devices(8)
 
@@ -139,17 +139,13 @@ def test_device_put_and_mesh_axis_types(axis_type):
 
 
 def test_legacy_gspmd_partitioner():
-    prev = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
+    with partitioner(shardy=False):
         shape, names, specs = CASES["B over 2, S over 4"]
         out, ref, hlo, *_ = run(mesh_of(shape, names), specs, "gspmd")
         close(out, ref)
         assert not collectives(hlo)
         out, ref, hlo, *_ = run(mesh_of(shape, names), specs, "gspmd-grad", grad=True)
         close(out, ref)
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", prev)
 
 
 def test_shard_map_with_user_offsets():

@@ -99,11 +99,11 @@ out_npz, hlo_path, prof_dir = sys.argv[1:4]
 assert jax.default_backend() == "gpu" and jax_attn_dist.kernel_available()
 shape = dict(B=2, S=128, N=512, H=128, D=576, d_v=512, HI=64, DI=128, topk=256, dtype=jnp.bfloat16)
 sets, static = [], None
+out_dims = tuple(shape[k] for k in ("B", "S", "H", "d_v"))
 for tag in ("a", "b"):
     arrays, kw = make_dsa_inputs(seed_of("gpu-cmdbuf-dsa", tag), **shape, q_start_index="batch")
     kw_static, traced = split_arrays(kw)
     static = static or kw_static  # set a's scales for both sets: one executable
-    out_dims = tuple(shape[k] for k in ("B", "S", "H", "d_v"))
     g = jnp.asarray(np.random.default_rng(len(sets)).standard_normal(out_dims), jnp.float32)
     sets.append((*arrays, traced["q_start_index"], g))
 
@@ -135,7 +135,7 @@ write_graph_summary(lambda run: step(*sets[run % 2]), prof_dir,
 """
 
 
-def _run_child(flags: str, workdir: str, tag: str, child: str = _CHILD):
+def _run_child(flags: str, workdir: str, tag: str, child: str):
     env = dict(os.environ)
     kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(("--xla_gpu_enable_command_buffer",
                                                                               "--xla_gpu_graph_min_graph_size",

@@ -24,7 +24,7 @@ from jax_attn_dist.ops.sparse_mla.contract import BWD_FFI_TARGET, FFI_TARGET, KE
 from jax_attn_dist.ops.sparse_mla.primitive import sparse_mla_bwd_p, sparse_mla_p
 from jax_attn_dist.ops.sparse_mla.sharded_fixed_point import sharded_deterministic_backward
 from jaxpr_util import iter_eqns, reductions
-from sharding_util import collectives
+from sharding_util import collectives, partitioner
 from sparse_mla_cases import make_sparse_mla_inputs
 
 F32 = jnp.float32
@@ -263,12 +263,8 @@ def test_sharded_backward_equals_unsharded(name, shape, names, rows):
 def test_sharded_backward_under_the_legacy_partitioner():
     ops, params = bwd_operands("shard-gspmd", B=2, S=16, H=8)
     want = jax.jit(bind_bwd(params))(*ops)
-    prev = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
+    with partitioner(shardy=False):
         got, hlo = sharded_bwd(mesh_of((2, 4), ("x", "y")), (None, "x", "y"), ops, params)
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", prev)
     for a, b in zip(got, want):
         b = np.asarray(b)
         np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6 * np.abs(b).max())

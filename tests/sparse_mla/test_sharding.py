@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from inputs import seed_of
 from jax_attn_dist import sparse_mla
-from sharding_util import collectives
+from sharding_util import collectives, partitioner
 from sparse_mla_cases import make_sparse_mla_inputs
 
 pytestmark = pytest.mark.host_devices(8)
@@ -102,15 +102,11 @@ def test_sharded_equals_unsharded(case):
 
 
 def test_legacy_gspmd_partitioner():
-    prev = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
+    with partitioner(shardy=False):
         for c in (CASES[1], CASES[4]):
             ref, out, hlo, _ = run_case(c)
             assert_same(out, ref)
             assert not collectives(hlo)
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", prev)
 
 
 def test_packed_rows_with_seq_sharded():

@@ -3,6 +3,7 @@ test module."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -13,6 +14,18 @@ import numpy as np
 from jax_attn_dist import synthetic
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+@contextlib.contextmanager
+def partitioner(shardy: bool):
+    """jax_use_shardy_partitioner for the block (False: the legacy GSPMD
+    partitioner), restored after it."""
+    prev = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", prev)
 
 
 def collectives(hlo: str):
