@@ -11,7 +11,8 @@ FlashMLA runs from the shared library that tools/peers/flashmla_sparse_prefill.s
 builds (ctypes, raw device pointers of the JAX input arrays, outputs in buffers
 of its own). Per head count: one call of each, checked against each other
 (out: relative Frobenius and max errors; lse: FlashMLA's is natural-log, ours
-is converted from its ``lse_base``) and against the problem's exact lse; then
+is converted from its ``lse_base``), against the problem's exact lse, and each
+out on ``--check-rows`` random rows against a float64 evaluation; then
 both timed, ``--rounds`` times alternately (the best of each kept):
   * sparse_mla as benchmarks/bench.py times it (timing.time_calls: median of
     ``--samples`` samples of ``--calls`` back-to-back calls over two input sets);
@@ -106,6 +107,19 @@ def rel_errors(out, ref):
             float(np.abs(d).max() / np.abs(ref).max()))
 
 
+def reference_rows(q, kv, indices, rows, sm_scale, d_v):
+    """float64 out of the given rows: every slot of these problems is valid
+    (T distinct causal-visible keys per row), so a plain softmax over them."""
+    q, kv, indices = (np.asarray(x) for x in (q, kv, indices))
+    ref = []
+    for s in rows:
+        keys = kv[indices[s, 0], 0].astype(np.float64)  # [T, D]
+        scores = q[s].astype(np.float64) @ keys.T * sm_scale  # [H, T]
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        ref.append((p / p.sum(axis=1, keepdims=True)) @ keys[:, :d_v])
+    return np.stack(ref)
+
+
 def to_natural(lse, base):
     return np.asarray(lse, np.float32) * (math.log(2.0) if base == "2" else 1.0)
 
@@ -124,9 +138,13 @@ def row(lib, S, N, H, T, D, d_v, args):
         out_f, lse_f = fm.run()
         out_o = np.asarray(out_o, np.float32)
         rel, max_rel = rel_errors(out_f, out_o)
+        rows = np.random.default_rng(0).choice(S, size=min(S, args.check_rows), replace=False)
+        ref = reference_rows(*arg_sets[0], rows, kw["sm_scale"], d_v)
         r = {"name": f"mla-S{S}-N{N}-H{H}-T{T}", "S": S, "N": N, "H": H, "T": T, "D": D, "d_v": d_v,
              "flops": flops, "sm_scale": kw["sm_scale"],
              "out_rel_err": rel, "out_max_err_rel_to_max": max_rel,
+             "checked_rows": len(rows), "ours_out_rel_err_vs_float64": rel_errors(out_o[rows], ref)[0],
+             "flashmla_out_rel_err_vs_float64": rel_errors(out_f[rows], ref)[0],
              "lse_err_vs_ours": lse_error(lse_f, to_natural(lse_o, kw["lse_base"])),
              "flashmla_lse_err_vs_exact": lse_error(lse_f, to_natural(exact_lse, kw["lse_base"])),
              "ours_lse_err_vs_exact": lse_error(to_natural(lse_o, kw["lse_base"]),
@@ -161,6 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=10, help="sparse_mla launches per timed sample (as bench.py)")
     ap.add_argument("--samples", type=int, default=15, help="sparse_mla timed samples (as bench.py)")
     ap.add_argument("--rounds", type=int, default=2, help="alternate rounds of both timings; the best kept")
+    ap.add_argument("--check-rows", type=int, default=32, help="rows whose out both are checked against float64")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     args = ap.parse_args(argv)
 
