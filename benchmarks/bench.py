@@ -15,13 +15,18 @@ and §7):
 * SPEC §6 rows (``PACKING``): a packed call (4 sequences of 1024 rows) or a
   ``topk_length = T / 2`` call against the same kernel call without §6
   (``ratio`` = §6 time / plain time); for the indexer also its backward.
-* ``sparse_mla`` shapes (§8, ``mla-*``): the forward kernel and its jnp path
-  under XLA (the v32 shapes only). FLOPs = 2*B*S*H*T*(D + d_v).
+* ``sparse_mla`` shapes (§8, ``mla-*``, ``mla-bwd-*``): the forward and
+  backward kernels against sparse MLA written plainly in XLA at the kernel's
+  precision (bf16 products, P rounded to bf16; its backward XLA's autodiff)
+  and against the package's jnp path (``jnp``: the float32 reference), both
+  on the v32 shapes only. FLOPs = 2*B*S*H*T*(D + d_v) forward, 2*B*S*H*T*(3D
+  + 2 d_v) backward.
 * ``dsa-layer-v32`` (§10): the whole layer, ``dsa_attention``'s forward plus
-  backward of ``sum(out * g) + mean(kl)`` on the kernels and with
-  ``implementation="xla"``, with each one's temporaries and its time op by
-  op (top-k, sparse MLA forward, its backward, the indexer loss forward +
-  backward, each timed alone).
+  backward of ``sum(out * g) + mean(kl)`` on the kernels, against the same
+  layer written plainly in XLA and with ``implementation="xla"`` (``jnp``),
+  with each one's temporaries and its time op by op (top-k, sparse MLA
+  forward, its backward, the indexer loss forward + backward, each timed
+  alone).
 * ``indexer_topk`` shapes (§9, ``topk-*``): the kernel and its jnp path
   under XLA (topk-v32 only); FLOPs = the causal logits GEMM (2*HI*DI per
   visible (row, key), about 2*S*(N - S/2)*HI*DI), and ``floor ms`` those
@@ -104,6 +109,7 @@ def table(result) -> str:
         ("floor ms", 9, lambda r: r.get("gemm_floor_ms"), "{:.3f}"),
         ("XLA ms", 9, lambda r: r.get("xla_ms"), "{:.2f}"),
         ("speedup", 8, lambda r: r.get("speedup_vs_xla"), "{:.2f}x"),
+        ("jnp ms", 9, lambda r: r.get("jnp_ms"), "{:.2f}"),
         ("XLA tmp GB", 11, lambda r: None if r.get("xla_extra_bytes") is None else r["xla_extra_bytes"] / 1e9,
          "{:.2f}"),
         ("fwd+bwd ms", 11, lambda r: r.get("kernel_fwd_bwd_ms"), "{:.3f}"),

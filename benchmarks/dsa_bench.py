@@ -1,10 +1,15 @@
 """The whole DSA attention layer's benchmark row (SPEC §10): the forward plus
 backward of ``sum(out * g) + mean(indexer_kl)`` w.r.t. q, kv, index_q,
-index_k and weights through ``dsa_attention``, on the kernels and with
-``implementation="xla"``, each with its temporaries; and the same work op
-by op, each timed alone: the top-k, the sparse MLA forward, its backward
-(applied to saved residuals), and the indexer loss (attn_dist's target plus
-indexer_kl) forward + backward."""
+index_k and weights through ``dsa_attention`` on the kernels, against the
+same layer in XLA two ways, each with its temporaries: ``xla``, written
+plainly at the kernels' precision (the top-k as the package's jnp path
+computes it, a chunked einsum and ``lax.top_k``; sparse MLA as
+``sparse_mla_bench.xla_sparse_mla``; the target and the loss as
+:func:`xla_attn_target` and ``indexer_bench.xla_indexer_kl``), and ``jnp``,
+``dsa_attention(implementation="xla")``, the package's jnp paths; and the
+same work op by op, each timed alone: the top-k, the sparse MLA forward,
+its backward (applied to saved residuals), and the indexer loss (the
+target plus indexer_kl) forward + backward."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from indexer_bench import xla_indexer_kl
+from sparse_mla_bench import XLA_CHUNK_ROWS, xla_sparse_mla
 from timing import extra_memory_bytes, log, time_calls
 
 # name: (S, N, H, D, d_v, topk, HI, DI). V3.2's attention (sparse_mla's
@@ -40,38 +47,97 @@ def layer_keywords(dims):
     return dict(sm_scale=D ** -0.5, topk=topk, d_v=d_v, causal=True, q_start_index=max(N - S, 0))
 
 
+def xla_attn_target(q, kv, indices, lse, *, sm_scale, causal, q_start_index, k_stride, chunk=XLA_CHUNK_ROWS):
+    """indexer_loss's target written plainly in XLA: each row's attention
+    mass on its valid slots, ``sum_h exp(sm_scale q_h . kv[i] - lse_h)``
+    (lse in base e), L1-normalised (rows with no mass 0), in chunks of query
+    rows with the scores as bf16 products accumulated in float32. Unbatched
+    q [S, H, D], kv [N, 1, D], indices [S, 1, T], lse [S, H] -> [S, T]."""
+    S, H, D = q.shape
+    N, T = kv.shape[0], indices.shape[-1]
+    C = min(chunk, S)
+    pad = -S % C
+    rows = lambda x, fill=0: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)  # noqa: E731
+    idx = rows(indices[:, 0], -1).reshape(-1, C, T)
+    positions = jnp.arange(S + pad, dtype=jnp.int32).reshape(-1, C)
+
+    def one_chunk(args):
+        qc, ic, lc, r = args
+        valid = (ic >= 0) & (ic < N)
+        if causal:
+            valid &= ic <= jnp.floor_divide(q_start_index + r + 1 - k_stride, k_stride)[:, None]
+        kg = kv[jnp.where(valid, ic, 0), 0]                                             # [C, T, D]
+        z = jnp.einsum("chd,ctd->cht", qc, kg, preferred_element_type=jnp.float32) * jnp.float32(sm_scale)
+        p = jnp.where(valid[:, None, :] & jnp.isfinite(lc)[..., None], jnp.exp(z - lc[..., None]), 0.0)
+        mass = p.sum(axis=1)                                                            # [C, T]
+        total = mass.sum(axis=-1, keepdims=True)
+        return jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), 0.0)
+
+    target = jax.lax.map(one_chunk, (rows(q).reshape(-1, C, H, D), idx, rows(lse, -jnp.inf).reshape(-1, C, H),
+                                     positions))
+    return target.reshape(-1, T)[:S]
+
+
+def package_ops(kw, impl):
+    """(topk, sparse_mla, indexer loss) through the package on ``impl``."""
+    import jax_attn_dist
+
+    rule = dict(causal=kw["causal"], q_start_index=kw["q_start_index"], implementation=impl)
+    return (lambda iq, ik, w: jax_attn_dist.indexer_topk(iq, ik, w, topk=kw["topk"], **rule),
+            lambda q, kv, i: jax_attn_dist.sparse_mla(q, kv, i, sm_scale=kw["sm_scale"], d_v=kw["d_v"], lse_base="e",
+                                                      **rule),
+            lambda q, kv, lse, iq, ik, w, i: jax_attn_dist.indexer_loss(q, kv, lse, iq, ik, w, i, sm_scale=kw["sm_scale"],
+                                                                        lse_base="e", **rule))
+
+
+def plain_ops(kw):
+    """(topk, sparse_mla, indexer loss) written plainly in XLA (the top-k:
+    the package's jnp path, already a chunked einsum and ``lax.top_k``)."""
+    rule = dict(causal=kw["causal"], q_start_index=kw["q_start_index"], k_stride=1)
+    topk = package_ops(kw, "xla")[0]
+    return (topk,
+            lambda q, kv, i: xla_sparse_mla(q, kv, i, sm_scale=kw["sm_scale"], d_v=kw["d_v"], lse_base="e", **rule),
+            lambda q, kv, lse, iq, ik, w, i: xla_indexer_kl(
+                iq, ik, w, i, xla_attn_target(q, kv, i, lse, sm_scale=kw["sm_scale"], **rule), scale=1.0, **rule))
+
+
 def layer_step(kw, impl):
-    """jit(value_and_grad) of ``sum(out * g) + mean(kl)`` w.r.t. the five inputs."""
+    """jit(value_and_grad) of ``sum(out * g) + mean(kl)`` w.r.t. the five
+    inputs, through ``dsa_attention`` on ``impl`` or (``impl="plain"``) the
+    same composition of :func:`plain_ops`."""
     import jax_attn_dist
 
     def loss(q, kv, iq, ik, w, g):
-        r = jax_attn_dist.dsa_attention(q, kv, iq, ik, w, implementation=impl, **kw)
-        return jnp.sum(r.out.astype(jnp.float32) * g.astype(jnp.float32)) + jnp.mean(r.indexer_kl)
+        if impl == "plain":
+            topk, mla, indexer_loss = plain_ops(kw)
+            indices = jax.lax.stop_gradient(topk(iq, ik, w))
+            out, lse = mla(q, kv, indices)
+            kl = indexer_loss(*(jax.lax.stop_gradient(x) for x in (q, kv, lse)), iq, ik, w, indices)
+        else:
+            r = jax_attn_dist.dsa_attention(q, kv, iq, ik, w, implementation=impl, **kw)
+            out, kl = r.out, r.indexer_kl
+        return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)) + jnp.mean(kl)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def time_parts(arg_sets, kw, impl, *, calls, samples):
-    """Each op of the layer alone: ``({part: ms}, the first set's indices)``.
-    The ops take the layer's own intermediate arrays (indices, lse),
-    computed once beforehand."""
-    import jax_attn_dist
-
-    rule = dict(causal=kw["causal"], q_start_index=kw["q_start_index"], implementation=impl)
-    mla_kw = dict(sm_scale=kw["sm_scale"], d_v=kw["d_v"], lse_base="e", **rule)
-    topk = jax.jit(lambda iq, ik, w: jax_attn_dist.indexer_topk(iq, ik, w, topk=kw["topk"], **rule))
-    mla = jax.jit(lambda q, kv, i: jax_attn_dist.sparse_mla(q, kv, i, **mla_kw))
+def time_parts(arg_sets, ops, *, calls, samples):
+    """Each op of the layer alone (``ops``: :func:`package_ops` or
+    :func:`plain_ops`): ``({part: ms}, the first set's indices)``. The ops
+    take the layer's own intermediate arrays (indices, lse), computed once
+    beforehand."""
+    topk, mla_fn, indexer_loss = ops
+    topk, mla = jax.jit(topk), jax.jit(mla_fn)
 
     def loss_step(q, kv, lse, iq, ik, w, i):
-        f = lambda iq, ik, w: jax_attn_dist.indexer_loss(  # noqa: E731
-            q, kv, lse, iq, ik, w, i, sm_scale=kw["sm_scale"], lse_base="e", **rule).mean()
+        f = lambda iq, ik, w: indexer_loss(q, kv, lse, iq, ik, w, i).mean()  # noqa: E731
         return jax.value_and_grad(f, argnums=(0, 1, 2))(iq, ik, w)
 
     loss_step = jax.jit(loss_step)
     topk_sets, mla_sets, bwd_sets, loss_sets = [], [], [], []
     for q, kv, iq, ik, w, g in arg_sets:
         indices = topk(iq, ik, w)
-        (out, lse), vjp = jax.vjp(lambda q, kv, i=indices: jax_attn_dist.sparse_mla(q, kv, i, **mla_kw), q, kv)
+        (out, lse), vjp = jax.vjp(lambda q, kv, i=indices: mla_fn(q, kv, i), q, kv)
         topk_sets.append((iq, ik, w))
         mla_sets.append((q, kv, indices))
         bwd_sets.append((vjp, (g, jnp.zeros_like(lse))))
@@ -101,22 +167,23 @@ def bench_dsa_layer(name, dims, *, calls, samples, gemm_tflops, with_xla=True, i
     step = layer_step(kw, implementation)
     loss_k, _ = step(*arg_sets[0])
     t_k = time_calls(step, arg_sets, calls=max(1, calls // 2), samples=samples)
-    parts, indices = time_parts(arg_sets, kw, implementation, calls=calls, samples=samples)
+    parts, indices = time_parts(arg_sets, package_ops(kw, implementation), calls=calls, samples=samples)
     row.update(kernel_ms=t_k * 1e3, kernel_extra_bytes=extra_memory_bytes(step, *arg_sets[0]), parts_ms=parts,
                loss=float(loss_k))
     log(f"  {name}: layer forward + backward {t_k * 1e3:.2f} ms; by op: {parts_line(parts)}")
-    if with_xla:
-        xla = layer_step(kw, "xla")
-        loss_x, _ = xla(*arg_sets[0])
-        t_x = time_calls(xla, arg_sets, calls=max(1, calls // 4), samples=samples)
-        x_parts, x_indices = time_parts(arg_sets, kw, "xla", calls=max(1, calls // 4), samples=samples)
-        differing = np.any(np.asarray(indices) != np.asarray(x_indices), axis=(-2, -1))
-        row.update(xla_ms=t_x * 1e3, xla_extra_bytes=extra_memory_bytes(xla, *arg_sets[0]), speedup_vs_xla=t_x / t_k,
-                   xla_parts_ms=x_parts, loss_xla=float(loss_x),
-                   # the two selections may differ at near-ties of the cut (SPEC §9.3)
-                   rows_differing_from_xla=int(differing.sum()))
-        log(f"  {name}: XLA forward + backward {t_x * 1e3:.2f} ms ({t_x / t_k:.1f}x); by op: {parts_line(x_parts)}")
     gb = lambda b: "n/a" if b is None else f"{b / 1e9:.2f} GB"  # noqa: E731
-    log(f"  {name}: temporaries + outputs {gb(row['kernel_extra_bytes'])}"
-        + (f" (XLA {gb(row['xla_extra_bytes'])})" if with_xla else ""))
+    if with_xla:
+        for key, impl, ops in (("xla", "plain", plain_ops(kw)), ("jnp", "xla", package_ops(kw, "xla"))):
+            f = layer_step(kw, impl)
+            loss_x, _ = f(*arg_sets[0])
+            t_x = time_calls(f, arg_sets, calls=max(1, calls // 4), samples=samples)
+            x_parts, x_indices = time_parts(arg_sets, ops, calls=max(1, calls // 4), samples=samples)
+            differing = np.any(np.asarray(indices) != np.asarray(x_indices), axis=(-2, -1))
+            row.update({f"{key}_ms": t_x * 1e3, f"{key}_extra_bytes": extra_memory_bytes(f, *arg_sets[0]),
+                        f"speedup_vs_{key}": t_x / t_k, f"{key}_parts_ms": x_parts, f"loss_{key}": float(loss_x),
+                        # the two selections may differ at near-ties of the cut (SPEC §9.3)
+                        f"rows_differing_from_{key}": int(differing.sum())})
+            log(f"  {name}: {key} forward + backward {t_x * 1e3:.2f} ms ({t_x / t_k:.1f}x), temporaries + outputs "
+                f"{gb(row[f'{key}_extra_bytes'])}; by op: {parts_line(x_parts)}")
+    log(f"  {name}: temporaries + outputs {gb(row['kernel_extra_bytes'])}")
     return row

@@ -1,7 +1,11 @@
-"""sparse_mla's benchmark rows (SPEC §8): the forward kernel against the
-same computation on the jnp path under XLA (``implementation="xla"``, the
-chunked reference), FLOPs = 2*B*S*H*T*(D + d_v) (SPEC §8.2: QK^T and PV
-over every slot)."""
+"""sparse_mla's benchmark rows (SPEC §8), forward and backward: the kernels
+against the same computation in XLA two ways. ``xla``: written plainly, as a
+user would write it for speed without the package, at the kernel's precision
+(:func:`xla_sparse_mla`; its backward is XLA's autodiff). ``jnp``: the
+package's own jnp path (``implementation="xla"``), the contract's chunked
+reference, which forms P.V in float32 at HIGHEST precision (off the tensor
+cores on a GPU) and has a chunked backward of its own. FLOPs =
+2*B*S*H*T*(D + d_v) (SPEC §8.2: QK^T and PV over every slot)."""
 
 from __future__ import annotations
 
@@ -17,9 +21,58 @@ SPARSE_MLA_SHAPES = {
     "mla-v32-h64": (4096, 8192, 64, 2048, 576, 512),
     "mla-128k-h128": (4096, 131072, 128, 2048, 576, 512),
 }
-#: The shapes with an XLA row (the jnp path is timed only on the v32 shapes,
-#: as for the other ops' long rows: it is slow, and the ceiling is the point).
+#: The shapes with XLA rows (timed only on the v32 shapes, as for the other
+#: ops' long rows: they are slow, and the ceiling is the point).
 SPARSE_MLA_XLA_SHAPES = ("mla-v32-h128", "mla-v32-h64")
+
+
+#: Query rows per chunk of the plain XLA forward (its gathered rows: about
+#: 0.9 GB a chunk at the v32 shapes, float32 and bf16 copies).
+XLA_CHUNK_ROWS = 128
+
+
+def xla_sparse_mla(q, kv, indices, *, sm_scale, d_v, causal, q_start_index, k_stride, lse_base,
+                   chunk=XLA_CHUNK_ROWS):
+    """SPEC §8's forward written plainly in XLA at the kernel's precision:
+    ``(out, lse)`` for unbatched q [S, H, D], kv [N, 1, D], indices
+    [S, 1, T]. Chunks of query rows under ``lax.map`` (the gathered rows of
+    every row at once would not fit); per chunk, the selected kv rows
+    gathered, the scores and P.V as bf16 products accumulated in float32, the
+    softmax in float32 and P rounded to q's dtype before P.V, as the kernel
+    rounds it. Its gradient is XLA's autodiff, each chunk recomputed
+    (``jax.checkpoint``); kv is gathered from a float32 copy so that its
+    gradient is summed in float32."""
+    S, H, D = q.shape
+    N, T = kv.shape[0], indices.shape[-1]
+    C = min(chunk, S)
+    pad = -S % C  # padding rows: no valid slot
+    kv32 = kv[:, 0].astype(jnp.float32)
+    q_rows = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, C, H, D)
+    idx_rows = jnp.pad(indices[:, 0], ((0, pad), (0, 0)), constant_values=-1).reshape(-1, C, T)
+    positions = jnp.arange(S + pad, dtype=jnp.int32).reshape(-1, C)
+
+    @jax.checkpoint
+    def one_chunk(args):
+        qc, ic, rows = args
+        valid = (ic >= 0) & (ic < N)
+        if causal:
+            valid &= ic <= jnp.floor_divide(q_start_index + rows + 1 - k_stride, k_stride)[:, None]
+        kg = kv32[jnp.where(valid, ic, 0)].astype(q.dtype)                                # [C, T, D]
+        z = jnp.einsum("chd,ctd->cht", qc, kg, preferred_element_type=jnp.float32) * jnp.float32(sm_scale)
+        z = jnp.where(valid[:, None, :], z, -jnp.inf)
+        m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        e = jnp.exp(z - m)
+        l = jnp.sum(e, axis=-1, keepdims=True)
+        has = l > 0
+        l_safe = jnp.where(has, l, 1.0)
+        p = (e / l_safe).astype(q.dtype)
+        out = jnp.einsum("cht,ctd->chd", p, kg[..., :d_v], preferred_element_type=jnp.float32)
+        return out.astype(q.dtype), jnp.where(has, m + jnp.log(l_safe), -jnp.inf)[..., 0]
+
+    out, lse = jax.lax.map(one_chunk, (q_rows, idx_rows, positions))
+    out, lse = out.reshape(-1, H, d_v)[:S], lse.reshape(-1, H)[:S]
+    return out, (lse * jnp.float32(1.4426950408889634) if lse_base == "2" else lse)
 
 
 def sparse_mla_flops(S, H, T, D, d_v, B=1) -> int:
@@ -77,19 +130,15 @@ def bench_sparse_mla(name, dims, *, calls, samples, gemm_tflops, with_xla=True, 
         lse_err_vs_exact=lse_error(lse_k, exact_lse),
     )
     if with_xla and name in SPARSE_MLA_XLA_SHAPES:
-        xla = call("xla")
-        out_x, lse_x = xla(*arg_sets[0])
-        t_x = time_calls(xla, arg_sets, calls=max(1, calls // 2), samples=samples)
-        rel, max_rel = oracle.spec_errors(jnp.asarray(out_k, jnp.float32), jnp.asarray(out_x, jnp.float32))
-        row.update(
-            xla_ms=t_x * 1e3,
-            xla_tflops=flops / t_x / 1e12,
-            speedup_vs_xla=t_x / t_k,
-            xla_extra_bytes=extra_memory_bytes(xla, *arg_sets[0]),
-            rel_err_vs_xla=rel,
-            max_err_vs_xla_rel_to_max=max_rel,
-            lse_err_vs_xla=lse_error(lse_k, lse_x),
-        )
+        plain = jax.jit(lambda q, kv, i: xla_sparse_mla(q, kv, i, **kw))
+        for key, f in (("jnp", call("xla")), ("xla", plain)):
+            out_x, lse_x = f(*arg_sets[0])
+            t_x = time_calls(f, arg_sets, calls=max(1, calls // 2), samples=samples)
+            rel, max_rel = oracle.spec_errors(jnp.asarray(out_k, jnp.float32), jnp.asarray(out_x, jnp.float32))
+            row.update({f"{key}_ms": t_x * 1e3, f"{key}_tflops": flops / t_x / 1e12, f"speedup_vs_{key}": t_x / t_k,
+                        f"{key}_extra_bytes": extra_memory_bytes(f, *arg_sets[0]), f"rel_err_vs_{key}": rel,
+                        f"max_err_vs_{key}_rel_to_max": max_rel, f"lse_err_vs_{key}": lse_error(lse_k, lse_x),
+                        f"{key}_lse_err_vs_exact": lse_error(lse_x, exact_lse)})
     return row
 
 
@@ -99,7 +148,7 @@ SPARSE_MLA_BWD_SHAPES = {
     "mla-bwd-v32-h64": ((4096, 8192, 64, 2048, 576, 512), False),
     "mla-bwd-det-v32-h128": ((4096, 8192, 128, 2048, 576, 512), True),
 }
-#: The backward shapes with an XLA row (its jnp backward under XLA autodiff).
+#: The backward shapes with XLA rows (the plain forward's autodiff, and the jnp path's own backward).
 SPARSE_MLA_BWD_XLA_SHAPES = ("mla-bwd-v32-h128",)
 
 
@@ -125,17 +174,15 @@ def bench_sparse_mla_bwd(name, spec, *, calls, samples, gemm_tflops, with_xla=Tr
     arg_sets = [a + cot for a, _, _ in sets]
     flops = sparse_mla_bwd_flops(S, H, T, D, d_v)
 
-    def fwd_bwd(impl):
-        def f(q, kv, i, dout, dlse):
-            _, vjp = jax.vjp(lambda q, kv: jax_attn_dist.sparse_mla(q, kv, i, implementation=impl, **kw), q, kv)
+    def package(impl):
+        return lambda q, kv, i: jax_attn_dist.sparse_mla(q, kv, i, implementation=impl, **kw)
+
+    def timed(forward, n_calls):
+        def fwd_bwd(q, kv, i, dout, dlse):
+            _, vjp = jax.vjp(lambda q, kv: forward(q, kv, i), q, kv)
             return vjp((dout, dlse))
-        return jax.jit(f)
 
-    def fwd(impl):
-        return jax.jit(lambda q, kv, i, dout, dlse: jax_attn_dist.sparse_mla(q, kv, i, implementation=impl, **kw))
-
-    def timed(impl, n_calls):
-        both, alone = fwd_bwd(impl), fwd(impl)
+        both, alone = jax.jit(fwd_bwd), jax.jit(lambda q, kv, i, dout, dlse: forward(q, kv, i))
         grads = both(*arg_sets[0])
         t_both = time_calls(both, arg_sets, calls=n_calls, samples=samples)
         t_fwd = time_calls(alone, arg_sets, calls=n_calls, samples=samples)
@@ -143,7 +190,7 @@ def bench_sparse_mla_bwd(name, spec, *, calls, samples, gemm_tflops, with_xla=Tr
 
     row = {"name": name, "kind": "sparse_mla_bwd", "S": S, "N": N, "H": H, "T": T, "D": D, "d_v": d_v,
            "deterministic": deterministic, "flops": flops}
-    (dq, dkv), t_both, t_fwd, extra = timed(implementation, calls)
+    (dq, dkv), t_both, t_fwd, extra = timed(package(implementation), calls)
     t_k = t_both - t_fwd
     row.update(
         kernel_ms=t_k * 1e3,
@@ -155,17 +202,13 @@ def bench_sparse_mla_bwd(name, spec, *, calls, samples, gemm_tflops, with_xla=Tr
         kernel_extra_bytes=extra,
     )
     if with_xla and name in SPARSE_MLA_BWD_XLA_SHAPES:
-        (xdq, xdkv), x_both, x_fwd, x_extra = timed("xla", max(1, calls // 2))
-        t_x = x_both - x_fwd
-        dq_rel, _ = oracle.spec_errors(jnp.asarray(dq, jnp.float32), jnp.asarray(xdq, jnp.float32))
-        dkv_rel, _ = oracle.spec_errors(jnp.asarray(dkv, jnp.float32), jnp.asarray(xdkv, jnp.float32))
-        row.update(
-            xla_ms=t_x * 1e3,
-            xla_fwd_bwd_ms=x_both * 1e3,
-            xla_tflops=flops / t_x / 1e12,
-            speedup_vs_xla=t_x / t_k,
-            xla_extra_bytes=x_extra,
-            dq_rel_err_vs_xla=dq_rel,
-            dkv_rel_err_vs_xla=dkv_rel,
-        )
+        plain_kw = {k: v for k, v in kw.items() if k != "deterministic"}
+        for key, forward in (("jnp", package("xla")), ("xla", lambda q, kv, i: xla_sparse_mla(q, kv, i, **plain_kw))):
+            (xdq, xdkv), x_both, x_fwd, x_extra = timed(forward, max(1, calls // 2))
+            t_x = x_both - x_fwd
+            dq_rel, _ = oracle.spec_errors(jnp.asarray(dq, jnp.float32), jnp.asarray(xdq, jnp.float32))
+            dkv_rel, _ = oracle.spec_errors(jnp.asarray(dkv, jnp.float32), jnp.asarray(xdkv, jnp.float32))
+            row.update({f"{key}_ms": t_x * 1e3, f"{key}_fwd_bwd_ms": x_both * 1e3, f"{key}_tflops": flops / t_x / 1e12,
+                        f"speedup_vs_{key}": t_x / t_k, f"{key}_extra_bytes": x_extra,
+                        f"dq_rel_err_vs_{key}": dq_rel, f"dkv_rel_err_vs_{key}": dkv_rel})
     return row

@@ -97,13 +97,68 @@ def test_flop_counts():
         assert visible_keys(9, 20, q_start, k_stride) == int(np.isfinite(logits).sum())
 
 
+@pytest.mark.parametrize("lse_base", ["2", "e"])
+def test_plain_xla_sparse_mla_is_the_spec(lse_base):
+    """The plain-XLA baseline the sparse_mla rows compare against computes
+    SPEC §8 (against the float64 oracle, to bf16's rounding of P and out),
+    its gradient too (XLA's autodiff), on adversarial indices (out of range,
+    duplicates, rows with no valid slot), across several chunks with padding
+    rows."""
+    import jax
+
+    from sparse_mla_cases import make_sparse_mla_inputs
+    from sparse_mla_bench import xla_sparse_mla
+
+    q, kv, idx, kw = make_sparse_mla_inputs(seed_of("bench-plain-mla", lse_base), S=11, H=4, D=64, N=40, T=24,
+                                            d_v=32, lse_base=lse_base, empty_rows=0.2)
+    rule = dict(sm_scale=kw["sm_scale"], d_v=32, causal=True, q_start_index=kw["q_start_index"], k_stride=1,
+                lse_base=lse_base)
+    f = lambda q, kv: xla_sparse_mla(q, kv, idx, **rule, chunk=4)  # noqa: E731
+    (out, lse), vjp = jax.vjp(f, q, kv)
+    ref_out, ref_lse = oracle.sparse_mla_oracle(q, kv, idx, **rule)
+    assert np.isneginf(ref_lse).any() and np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref_lse))
+    rel, _ = oracle.spec_errors(jnp.asarray(out, jnp.float32), ref_out)
+    assert rel < 5e-3  # about 2.2e-3 (bf16 P and out)
+    finite = np.isfinite(ref_lse)
+    assert np.abs(np.asarray(lse)[finite] - ref_lse[finite]).max() < 1e-5
+    rng = np.random.default_rng(0)
+    dout = jnp.asarray(rng.standard_normal(out.shape).astype(np.float32), jnp.bfloat16)
+    dlse = jnp.where(jnp.isfinite(lse), jnp.asarray(rng.standard_normal(lse.shape).astype(np.float32)), 0.0)
+    dq, dkv = vjp((dout, dlse))
+    ref_dq, ref_dkv = oracle.sparse_mla_grads_oracle(q, kv, idx, np.asarray(dout, np.float64),
+                                                     np.asarray(dlse, np.float64), **rule)
+    for got, ref in ((dq, ref_dq), (dkv, ref_dkv)):
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        assert oracle.spec_errors(jnp.asarray(got, jnp.float32), ref)[0] < 5e-3  # about 2.3e-3 and 2.9e-3
+
+
+def test_plain_xla_attn_target_is_the_spec():
+    """The plain-XLA layer's target: attn_dist's float64 mass summed over
+    heads and L1-normalised, on adversarial indices, lse = +-inf heads and
+    rows with no valid slot (target 0), across chunks with padding rows."""
+    from sparse_mla_cases import make_sparse_mla_inputs
+    from dsa_bench import xla_attn_target
+
+    q, kv, idx, kw = make_sparse_mla_inputs(seed_of("bench-plain-target"), S=11, H=4, D=64, N=40, T=24,
+                                            lse_base="e", empty_rows=0.2)
+    rule = dict(sm_scale=kw["sm_scale"], causal=True, q_start_index=kw["q_start_index"], k_stride=1)
+    lse = np.asarray(oracle.sparse_mla_oracle(q, kv, idx, **rule, d_v=64, lse_base="e")[1], np.float32)
+    lse[0, 1], lse[3, 2] = np.inf, -np.inf
+    got = np.asarray(xla_attn_target(q, kv, idx, jnp.asarray(lse), **rule, chunk=4))
+    mass = oracle.attn_dist_oracle(q, kv, idx, lse, **rule, lse_base="e").sum(axis=0)  # [S, T]
+    total = mass.sum(-1, keepdims=True)
+    ref = np.where(total > 0, mass / np.where(total > 0, total, 1.0), 0.0)
+    assert (total == 0).any() and np.abs(got - ref).max() < 1e-5
+
+
 def test_sparse_mla_row_on_cpu():
     row = bench.bench_sparse_mla("mla-v32-h64", (8, 40, 4, 16, 64, 32), calls=1, samples=1, gemm_tflops=1.0,
                                  implementation="xla")
     assert row["kind"] == "sparse_mla" and row["flops"] == 2 * 8 * 4 * 16 * (64 + 32)
-    assert row["kernel_ms"] > 0 and row["xla_ms"] > 0 and row["gemm_floor_ms"] > 0
+    assert row["kernel_ms"] > 0 and row["xla_ms"] > 0 and row["jnp_ms"] > 0 and row["gemm_floor_ms"] > 0
     assert row["lse_err_vs_exact"] < 1e-4  # the synthetic problem's exact lse is the op's
-    assert row["rel_err_vs_xla"] == 0.0 and row["lse_err_vs_xla"] == 0.0
+    assert row["rel_err_vs_jnp"] == 0.0 and row["lse_err_vs_jnp"] == 0.0  # the jnp path is the timed one here
+    assert row["rel_err_vs_xla"] < 1e-2 and row["xla_lse_err_vs_exact"] < 1e-4  # the plain XLA: bf16 P
     from sparse_mla_bench import SPARSE_MLA_XLA_SHAPES
 
     assert SPARSE_MLA_XLA_SHAPES == ("mla-v32-h128", "mla-v32-h64")
@@ -119,8 +174,9 @@ def test_sparse_mla_bwd_row_on_cpu():
         row = bench.bench_sparse_mla_bwd("mla-bwd-v32-h128", ((8, 40, 4, 16, 64, 32), det), calls=1, samples=1,
                                          gemm_tflops=1.0, implementation="xla")
         assert row["kind"] == "sparse_mla_bwd" and row["deterministic"] == det
-        assert row["kernel_fwd_bwd_ms"] > 0 and row["xla_fwd_bwd_ms"] > 0
-        assert row["dq_rel_err_vs_xla"] < 1e-6 and row["dkv_rel_err_vs_xla"] < 1e-6
+        assert row["kernel_fwd_bwd_ms"] > 0 and row["xla_fwd_bwd_ms"] > 0 and row["jnp_fwd_bwd_ms"] > 0
+        assert row["dq_rel_err_vs_jnp"] < 1e-6 and row["dkv_rel_err_vs_jnp"] < 1e-6
+        assert row["dq_rel_err_vs_xla"] < 1e-2 and row["dkv_rel_err_vs_xla"] < 1e-2
 
 
 def test_indexer_topk_row_on_cpu():
@@ -166,10 +222,11 @@ def test_dsa_layer_row_on_cpu():
     assert "dsa-layer-v32" in bench.ALL
     row = bench.bench_dsa_layer("dsa-layer-v32", (16, 40, 4, 32, 16, 8, 4, 16), calls=1, samples=1,
                                 gemm_tflops=1.0, implementation="xla")
-    assert row["kind"] == "dsa_layer" and row["kernel_ms"] > 0 and row["xla_ms"] > 0
+    assert row["kind"] == "dsa_layer" and row["kernel_ms"] > 0 and row["xla_ms"] > 0 and row["jnp_ms"] > 0
     from dsa_bench import PARTS
 
-    for key in ("parts_ms", "xla_parts_ms"):
+    for key in ("parts_ms", "xla_parts_ms", "jnp_parts_ms"):
         assert list(row[key]) == list(PARTS) and all(v > 0 for v in row[key].values())
-    assert row["loss"] == pytest.approx(row["loss_xla"], rel=1e-6) and row["rows_differing_from_xla"] == 0
+    assert row["loss"] == pytest.approx(row["loss_jnp"], rel=1e-6) and row["rows_differing_from_jnp"] == 0
+    assert row["loss"] == pytest.approx(row["loss_xla"], rel=1e-2) and row["rows_differing_from_xla"] == 0
     assert "dsa-layer-v32" in bench.table(dict(rows=[row]))
