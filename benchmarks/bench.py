@@ -67,9 +67,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the per-op mod
 
 from attn_dist_bench import ATTN_SHAPES, bench_attn_dist  # noqa: E402
 from dsa_bench import DSA_SHAPES, bench_dsa_layer  # noqa: E402
-from indexer_bench import INDEXER_SHAPES, STEPS, bench_indexer, bench_step, xla_indexer_kl  # noqa: E402,F401
+from indexer_bench import INDEXER_SHAPES, STEPS, bench_indexer, bench_step  # noqa: E402
 from indexer_topk_bench import TOPK_SHAPES, bench_indexer_topk, logits_flops  # noqa: E402,F401
 from packing_bench import PACKING, bench_packing, packed_layout  # noqa: E402,F401
+from plain_xla import xla_indexer_kl  # noqa: E402,F401
 from sparse_mla_bench import (SPARSE_MLA_BWD_SHAPES, SPARSE_MLA_SHAPES, bench_sparse_mla,  # noqa: E402,F401
                               bench_sparse_mla_bwd, sparse_mla_bwd_flops, sparse_mla_flops)
 from timing import gemm_ceiling, gemm_problem, log  # noqa: E402,F401  (gemm_problem: for callers)

@@ -4,8 +4,8 @@ index_k and weights through ``dsa_attention`` on the kernels, against the
 same layer in XLA two ways, each with its temporaries: ``xla``, written
 plainly at the kernels' precision (the top-k as the package's jnp path
 computes it, a chunked einsum and ``lax.top_k``; sparse MLA as
-``sparse_mla_bench.xla_sparse_mla``; the target and the loss as
-:func:`xla_attn_target` and ``indexer_bench.xla_indexer_kl``), and ``jnp``,
+``plain_xla.xla_sparse_mla``; the target and the loss as
+``plain_xla.xla_attn_target`` and ``xla_indexer_kl``), and ``jnp``,
 ``dsa_attention(implementation="xla")``, the package's jnp paths; and the
 same work op by op, each timed alone: the top-k, the sparse MLA forward,
 its backward (applied to saved residuals), and the indexer loss (the
@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from indexer_bench import xla_indexer_kl
-from sparse_mla_bench import XLA_CHUNK_ROWS, xla_sparse_mla
+from plain_xla import xla_attn_target, xla_indexer_kl, xla_sparse_mla
 from timing import extra_memory_bytes, log, time_calls
 
 # name: (S, N, H, D, d_v, topk, HI, DI). V3.2's attention (sparse_mla's
@@ -45,37 +44,6 @@ def dsa_problem(dims, seed):
 def layer_keywords(dims):
     S, N, H, D, d_v, topk, HI, DI = dims
     return dict(sm_scale=D ** -0.5, topk=topk, d_v=d_v, causal=True, q_start_index=max(N - S, 0))
-
-
-def xla_attn_target(q, kv, indices, lse, *, sm_scale, causal, q_start_index, k_stride, chunk=XLA_CHUNK_ROWS):
-    """indexer_loss's target written plainly in XLA: each row's attention
-    mass on its valid slots, ``sum_h exp(sm_scale q_h . kv[i] - lse_h)``
-    (lse in base e), L1-normalised (rows with no mass 0), in chunks of query
-    rows with the scores as bf16 products accumulated in float32. Unbatched
-    q [S, H, D], kv [N, 1, D], indices [S, 1, T], lse [S, H] -> [S, T]."""
-    S, H, D = q.shape
-    N, T = kv.shape[0], indices.shape[-1]
-    C = min(chunk, S)
-    pad = -S % C
-    rows = lambda x, fill=0: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)  # noqa: E731
-    idx = rows(indices[:, 0], -1).reshape(-1, C, T)
-    positions = jnp.arange(S + pad, dtype=jnp.int32).reshape(-1, C)
-
-    def one_chunk(args):
-        qc, ic, lc, r = args
-        valid = (ic >= 0) & (ic < N)
-        if causal:
-            valid &= ic <= jnp.floor_divide(q_start_index + r + 1 - k_stride, k_stride)[:, None]
-        kg = kv[jnp.where(valid, ic, 0), 0]                                             # [C, T, D]
-        z = jnp.einsum("chd,ctd->cht", qc, kg, preferred_element_type=jnp.float32) * jnp.float32(sm_scale)
-        p = jnp.where(valid[:, None, :] & jnp.isfinite(lc)[..., None], jnp.exp(z - lc[..., None]), 0.0)
-        mass = p.sum(axis=1)                                                            # [C, T]
-        total = mass.sum(axis=-1, keepdims=True)
-        return jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), 0.0)
-
-    target = jax.lax.map(one_chunk, (rows(q).reshape(-1, C, H, D), idx, rows(lse, -jnp.inf).reshape(-1, C, H),
-                                     positions))
-    return target.reshape(-1, T)[:S]
 
 
 def package_ops(kw, impl):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from attn_dist_bench import ATTN_SHAPES
+from plain_xla import xla_indexer_kl
 from timing import extra_memory_bytes, log, time_calls
 
 # name: (S, N, HI, T, DI). SPEC §7 first, then fewer heads.
@@ -19,26 +20,6 @@ INDEXER_SHAPES = {
     "idx-h16": (4096, 8192, 16, 2048, 128),
 }
 STEPS = ("step-v32",)
-
-
-def xla_indexer_kl(index_q, index_k, weights, indices, target, *, scale, causal, q_start_index, k_stride):
-    """SPEC §5's loss written plainly in XLA, as a user would without the
-    package: gather + einsum + relu-weighted sum + masked log_softmax + KL,
-    everything materialised ([S, HI, T] float32 scores)."""
-    S, HI, DI = index_q.shape
-    N = index_k.shape[0]
-    idx = indices[:, 0, :]
-    valid = (idx >= 0) & (idx < N)
-    if causal:
-        limit = jnp.floor_divide(q_start_index + jnp.arange(S) + 1 - k_stride, k_stride)
-        valid &= idx <= limit[:, None]
-    kg = index_k[jnp.clip(idx, 0, N - 1)]                                        # [S, T, DI]
-    z = jnp.einsum("shd,std->sht", index_q, kg, preferred_element_type=jnp.float32)
-    logits = scale * jnp.einsum("sh,sht->st", weights.astype(jnp.float32), jax.nn.relu(z))
-    log_p = jax.nn.log_softmax(jnp.where(valid, logits, -1e30), axis=-1)
-    t = jnp.where(valid & (target > 0), target, 0.0)
-    pos = t > 0
-    return jnp.sum(jnp.where(pos, t * (jnp.log(jnp.where(pos, t, 1.0)) - log_p), 0.0), axis=-1)
 
 
 def indexer_problem(S, N, HI, T, DI, seed):

@@ -1,7 +1,7 @@
 """sparse_mla's benchmark rows (SPEC §8), forward and backward: the kernels
 against the same computation in XLA two ways. ``xla``: written plainly, as a
-user would write it for speed without the package, at the kernel's precision
-(:func:`xla_sparse_mla`; its backward is XLA's autodiff). ``jnp``: the
+user would write it for speed without the package
+(``plain_xla.xla_sparse_mla``; its backward is XLA's autodiff). ``jnp``: the
 package's own jnp path (``implementation="xla"``), the contract's chunked
 reference, which forms P.V in float32 at HIGHEST precision (off the tensor
 cores on a GPU) and has a chunked backward of its own. FLOPs =
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from plain_xla import xla_sparse_mla
 from timing import extra_memory_bytes, time_calls
 
 # name: (S, N, H, T, D, d_v). SPEC §4's v32 shapes with d_v = 512 (the MLA latent).
@@ -24,55 +25,6 @@ SPARSE_MLA_SHAPES = {
 #: The shapes with XLA rows (timed only on the v32 shapes, as for the other
 #: ops' long rows: they are slow, and the ceiling is the point).
 SPARSE_MLA_XLA_SHAPES = ("mla-v32-h128", "mla-v32-h64")
-
-
-#: Query rows per chunk of the plain XLA forward (its gathered rows: about
-#: 0.9 GB a chunk at the v32 shapes, float32 and bf16 copies).
-XLA_CHUNK_ROWS = 128
-
-
-def xla_sparse_mla(q, kv, indices, *, sm_scale, d_v, causal, q_start_index, k_stride, lse_base,
-                   chunk=XLA_CHUNK_ROWS):
-    """SPEC §8's forward written plainly in XLA at the kernel's precision:
-    ``(out, lse)`` for unbatched q [S, H, D], kv [N, 1, D], indices
-    [S, 1, T]. Chunks of query rows under ``lax.map`` (the gathered rows of
-    every row at once would not fit); per chunk, the selected kv rows
-    gathered, the scores and P.V as bf16 products accumulated in float32, the
-    softmax in float32 and P rounded to q's dtype before P.V, as the kernel
-    rounds it. Its gradient is XLA's autodiff, each chunk recomputed
-    (``jax.checkpoint``); kv is gathered from a float32 copy so that its
-    gradient is summed in float32."""
-    S, H, D = q.shape
-    N, T = kv.shape[0], indices.shape[-1]
-    C = min(chunk, S)
-    pad = -S % C  # padding rows: no valid slot
-    kv32 = kv[:, 0].astype(jnp.float32)
-    q_rows = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, C, H, D)
-    idx_rows = jnp.pad(indices[:, 0], ((0, pad), (0, 0)), constant_values=-1).reshape(-1, C, T)
-    positions = jnp.arange(S + pad, dtype=jnp.int32).reshape(-1, C)
-
-    @jax.checkpoint
-    def one_chunk(args):
-        qc, ic, rows = args
-        valid = (ic >= 0) & (ic < N)
-        if causal:
-            valid &= ic <= jnp.floor_divide(q_start_index + rows + 1 - k_stride, k_stride)[:, None]
-        kg = kv32[jnp.where(valid, ic, 0)].astype(q.dtype)                                # [C, T, D]
-        z = jnp.einsum("chd,ctd->cht", qc, kg, preferred_element_type=jnp.float32) * jnp.float32(sm_scale)
-        z = jnp.where(valid[:, None, :], z, -jnp.inf)
-        m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        e = jnp.exp(z - m)
-        l = jnp.sum(e, axis=-1, keepdims=True)
-        has = l > 0
-        l_safe = jnp.where(has, l, 1.0)
-        p = (e / l_safe).astype(q.dtype)
-        out = jnp.einsum("cht,ctd->chd", p, kg[..., :d_v], preferred_element_type=jnp.float32)
-        return out.astype(q.dtype), jnp.where(has, m + jnp.log(l_safe), -jnp.inf)[..., 0]
-
-    out, lse = jax.lax.map(one_chunk, (q_rows, idx_rows, positions))
-    out, lse = out.reshape(-1, H, d_v)[:S], lse.reshape(-1, H)[:S]
-    return out, (lse * jnp.float32(1.4426950408889634) if lse_base == "2" else lse)
 
 
 def sparse_mla_flops(S, H, T, D, d_v, B=1) -> int:
@@ -161,7 +113,9 @@ def sparse_mla_bwd_flops(S, H, T, D, d_v, B=1) -> int:
 def bench_sparse_mla_bwd(name, spec, *, calls, samples, gemm_tflops, with_xla=True, implementation="cuda"):
     """One row: the forward plus backward (jax.vjp with cotangents on out and
     lse) and the forward alone, both timed; the backward's time is their
-    difference (the backward needs the forward's out and lse)."""
+    difference. Both return the forward's out and lse, so that no path drops
+    forward work its gradient does not need (a rematerialised forward would
+    otherwise leave its backward timed less its forward)."""
     import jax_attn_dist
     from jax_attn_dist import oracle
 
@@ -179,11 +133,11 @@ def bench_sparse_mla_bwd(name, spec, *, calls, samples, gemm_tflops, with_xla=Tr
 
     def timed(forward, n_calls):
         def fwd_bwd(q, kv, i, dout, dlse):
-            _, vjp = jax.vjp(lambda q, kv: forward(q, kv, i), q, kv)
-            return vjp((dout, dlse))
+            out, vjp = jax.vjp(lambda q, kv: forward(q, kv, i), q, kv)
+            return out, vjp((dout, dlse))
 
         both, alone = jax.jit(fwd_bwd), jax.jit(lambda q, kv, i, dout, dlse: forward(q, kv, i))
-        grads = both(*arg_sets[0])
+        _, grads = both(*arg_sets[0])
         t_both = time_calls(both, arg_sets, calls=n_calls, samples=samples)
         t_fwd = time_calls(alone, arg_sets, calls=n_calls, samples=samples)
         return grads, t_both, t_fwd, extra_memory_bytes(both, *arg_sets[0])

@@ -106,8 +106,8 @@ def test_plain_xla_sparse_mla_is_the_spec(lse_base):
     rows."""
     import jax
 
+    from plain_xla import xla_sparse_mla
     from sparse_mla_cases import make_sparse_mla_inputs
-    from sparse_mla_bench import xla_sparse_mla
 
     q, kv, idx, kw = make_sparse_mla_inputs(seed_of("bench-plain-mla", lse_base), S=11, H=4, D=64, N=40, T=24,
                                             d_v=32, lse_base=lse_base, empty_rows=0.2)
@@ -123,7 +123,7 @@ def test_plain_xla_sparse_mla_is_the_spec(lse_base):
     assert np.abs(np.asarray(lse)[finite] - ref_lse[finite]).max() < 1e-5
     rng = np.random.default_rng(0)
     dout = jnp.asarray(rng.standard_normal(out.shape).astype(np.float32), jnp.bfloat16)
-    dlse = jnp.where(jnp.isfinite(lse), jnp.asarray(rng.standard_normal(lse.shape).astype(np.float32)), 0.0)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape).astype(np.float32))  # rows with no valid slot too
     dq, dkv = vjp((dout, dlse))
     ref_dq, ref_dkv = oracle.sparse_mla_grads_oracle(q, kv, idx, np.asarray(dout, np.float64),
                                                      np.asarray(dlse, np.float64), **rule)
@@ -136,8 +136,8 @@ def test_plain_xla_attn_target_is_the_spec():
     """The plain-XLA layer's target: attn_dist's float64 mass summed over
     heads and L1-normalised, on adversarial indices, lse = +-inf heads and
     rows with no valid slot (target 0), across chunks with padding rows."""
+    from plain_xla import xla_attn_target
     from sparse_mla_cases import make_sparse_mla_inputs
-    from dsa_bench import xla_attn_target
 
     q, kv, idx, kw = make_sparse_mla_inputs(seed_of("bench-plain-target"), S=11, H=4, D=64, N=40, T=24,
                                             lse_base="e", empty_rows=0.2)
@@ -230,3 +230,31 @@ def test_dsa_layer_row_on_cpu():
     assert row["loss"] == pytest.approx(row["loss_jnp"], rel=1e-6) and row["rows_differing_from_jnp"] == 0
     assert row["loss"] == pytest.approx(row["loss_xla"], rel=1e-2) and row["rows_differing_from_xla"] == 0
     assert "dsa-layer-v32" in bench.table(dict(rows=[row]))
+
+
+def test_plain_xla_layer_is_the_layer():
+    """The plain-XLA layer the layer row compares against computes what
+    dsa_attention computes (its jnp paths): the same indices and, row by
+    row, the same KL; gradients of sum(out * g) + mean(kl) to every input
+    within bf16's rounding of P; and, with g = 0, none reaching q or kv
+    (the target is stop_gradient)."""
+    import jax_attn_dist
+    from dsa_bench import dsa_problem, layer_keywords, layer_step, plain_ops
+
+    dims = (16, 40, 4, 32, 16, 8, 4, 16)
+    kw = layer_keywords(dims)
+    q, kv, iq, ik, w, g = dsa_problem(dims, seed=3)
+    topk, mla, indexer_loss = plain_ops(kw)
+    idx = topk(iq, ik, w)
+    out, lse = mla(q, kv, idx)
+    ref = jax_attn_dist.dsa_attention(q, kv, iq, ik, w, implementation="xla", **kw)
+    assert np.array_equal(np.asarray(idx), np.asarray(ref.indices))
+    kl = np.asarray(indexer_loss(q, kv, lse, iq, ik, w, idx))
+    assert np.abs(kl - np.asarray(ref.indexer_kl)).max() < 1e-5 * (1 + np.abs(kl).max())
+    _, plain = layer_step(kw, "plain")(q, kv, iq, ik, w, g)
+    _, jnp_path = layer_step(kw, "xla")(q, kv, iq, ik, w, g)
+    for name, a, b in zip(("q", "kv", "index_q", "index_k", "weights"), plain, jnp_path):
+        assert oracle.spec_errors(jnp.asarray(a, jnp.float32), np.asarray(b, np.float64))[0] < 1e-2, name
+    _, no_out = layer_step(kw, "plain")(q, kv, iq, ik, w, jnp.zeros_like(g))
+    assert not np.any(np.asarray(no_out[0], np.float32)) and not np.any(np.asarray(no_out[1], np.float32))
+    assert np.any(np.asarray(no_out[2], np.float32))

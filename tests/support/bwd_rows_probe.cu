@@ -8,10 +8,11 @@
 //   compute-sanitizer --tool racecheck --error-exitcode 9 /tmp/bwd_rows_probe
 //
 // The problem: B 2, S 8, H 65 (warps with 17 and 16 heads), D 576; the row
-// terms with and without the bound, with heads whose lse is +inf, -inf or NaN
-// (no terms: the warps leave the head loop at different heads before the
-// barrier); max |kv| with a NaN in batch element 1; the column order and the
-// fixed-point conversion, finite and not.
+// terms in both lse bases and with the bound, row 0 (the largest bound, its q
+// scaled up) holding heads whose lse is +inf, -inf or NaN (no terms: the warps
+// leave the head loop at different heads before the barrier); max |kv| with
+// a NaN in batch element 1; the column order and the fixed-point conversion,
+// finite and not.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -77,6 +78,10 @@ std::vector<__nv_bfloat16> bf16_values(size_t n, uint32_t seed, std::vector<floa
 int main() {
   std::vector<float> q_f, kv_f, out_f, dout_f;
   auto q_h = bf16_values(size_t(B) * S * H * D, 1, &q_f);
+  for (size_t i = 0; i < size_t(H) * D; ++i) {  // row 0: the batch element's largest bound
+    q_f[i] *= 8.f;
+    q_h[i] = __float2bfloat16(q_f[i]);
+  }
   auto kv_h = bf16_values(size_t(B) * N * D, 2, &kv_f);
   kv_h[size_t(N) * D + 7] = __float2bfloat16(NAN);  // batch element 1: max |kv| not finite
   auto out_h = bf16_values(size_t(B) * S * H * DV, 3, &out_f);
@@ -86,7 +91,7 @@ int main() {
     lse[i] = float(i % 7) - 3.f;
     dlse[i] = 0.01f * float(i % 5);
   }
-  lse[3] = INFINITY, lse[H + 10] = -INFINITY, lse[2 * H + 64] = NAN;  // heads that take no probability
+  lse[3] = INFINITY, lse[10] = -INFINITY, lse[64] = NAN;  // heads of row 0 that take no probability
 
   SparseMlaBwdParams p = {};
   p.batch = B, p.s_q = S, p.s_kv = N, p.h_q = H, p.d_qk = D, p.d_v = DV, p.topk = 1;
@@ -108,19 +113,22 @@ int main() {
   p.kv_max_bits = words, p.bound_bits = words + B, p.flag_bits = words + B;
   const char* detail = nullptr;
 
-  // row_delta[head] = sum(out * dout) - dlse * log2(e) (lse and dlse in base 2 here).
-  if (launched(mla::launch_row_terms(p, false, nullptr, &detail), detail, "row_terms<false>")) {
+  // row_delta[head] = sum(out * dout) - dlse in base e (dlse * log2(e) where lse is in base 2).
+  std::vector<double> delta(lse.size());
+  for (int base_e = 1; base_e >= 0; --base_e) {  // base 2 last: the bound below uses its delta
+    p.lse_base_e = base_e;
+    if (!launched(mla::launch_row_terms(p, false, nullptr, &detail), detail, "row_terms<false>")) continue;
     const auto got = host_copy(p.row_delta, lse.size());
+    bool ok = true;
     for (size_t head = 0; head < lse.size(); ++head) {
       double dot = 0;
       for (int c = 0; c < DV; ++c) dot += double(out_f[head * DV + c]) * dout_f[head * DV + c];
-      const double want = dot - double(dlse[head]) * 1.4426950408889634;
-      if (!(std::fabs(got[head] - want) <= 1e-4 * (1 + std::fabs(want)))) {
-        expect(false, "row_delta");
-        break;
-      }
+      delta[head] = dot - double(dlse[head]) * (base_e ? 1.0 : 1.4426950408889634);
+      ok = ok && std::fabs(got[head] - delta[head]) <= 1e-4 * (1 + std::fabs(delta[head]));
     }
+    expect(ok, base_e ? "row_delta, lse in base e" : "row_delta, lse in base 2");
   }
+
   if (launched(mla::launch_kv_max(p, nullptr, &detail), detail, "kv_max")) {
     const auto bits = host_copy(words, B);
     float m0 = 0;
@@ -129,9 +137,34 @@ int main() {
     expect(bits[1] == attn_dist::kNonFiniteBoundBits, "kv_max NaN flagged");
   }
   if (launched(mla::launch_row_terms(p, true, nullptr, &detail), detail, "row_terms<true>")) {
-    const auto bits = host_copy(words + B, B);
-    expect(bits[0] > 0 && bits[0] < attn_dist::kNonFiniteBoundBits, "bound finite for element 0");
-    expect(bits[1] == attn_dist::kNonFiniteBoundBits, "bound not finite for element 1");
+    // Element 0's bound (bwd_rows.cu): the max over its rows of
+    // 4 (kv_max sum_h qmax_h l1_h + sum_h (qmax_h |delta_h| + max|dout_h|)),
+    // qmax_h = sm_scale max|q_h|, over the heads with a finite lse.
+    const auto bits = host_copy(words, 2 * B);  // kv_max_bits, then bound_bits
+    float kv_max;
+    std::memcpy(&kv_max, &bits[0], 4);
+    double want = 0;
+    for (int row = 0; row < S; ++row) {
+      double a = 0, b = 0;
+      for (int h = 0; h < H; ++h) {
+        const size_t head = size_t(row) * H + h;
+        if (!std::isfinite(lse[head])) continue;
+        double q_max = 0, l1 = 0, dout_max = 0;
+        for (int c = 0; c < D; ++c) q_max = std::fmax(q_max, std::fabs(q_f[head * D + c]));
+        for (int c = 0; c < DV; ++c) {
+          l1 += std::fabs(dout_f[head * DV + c]);
+          dout_max = std::fmax(dout_max, std::fabs(dout_f[head * DV + c]));
+        }
+        q_max *= double(p.sm_scale);
+        a += q_max * l1;
+        b += q_max * std::fabs(delta[head]) + dout_max;
+      }
+      want = std::fmax(want, 4.0 * (a * kv_max + b));
+    }
+    float got;
+    std::memcpy(&got, &bits[B], 4);
+    expect(std::fabs(got - want) <= 1e-5 * want, "bound of element 0");
+    expect(bits[B + 1] == attn_dist::kNonFiniteBoundBits, "bound not finite for element 1");
   }
   if (launched(mla::launch_dkv_fixed_to_float(p, nullptr, &detail), detail, "fixed_to_float")) {
     const auto got = host_copy(p.dkv, dkv_in.size());

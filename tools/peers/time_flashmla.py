@@ -111,6 +111,8 @@ def reference_rows(q, kv, indices, rows, sm_scale, d_v):
     """float64 out of the given rows: every slot of these problems is valid
     (T distinct causal-visible keys per row), so a plain softmax over them."""
     q, kv, indices = (np.asarray(x) for x in (q, kv, indices))
+    if not (indices[rows] >= 0).all():  # the problem generator pads a row short of T visible keys with -1
+        raise ValueError("reference_rows: a checked row has an invalid slot; choose S, N and T with T visible keys")
     ref = []
     for s in rows:
         keys = kv[indices[s, 0], 0].astype(np.float64)  # [T, D]
