@@ -16,10 +16,10 @@ and §7):
   ``topk_length = T / 2`` call against the same kernel call without §6
   (``ratio`` = §6 time / plain time); for the indexer also its backward.
 * ``sparse_mla`` shapes (§8, ``mla-*``, ``mla-bwd-*``): the forward and
-  backward kernels against sparse MLA written plainly in XLA at the kernel's
-  precision (bf16 products, P rounded to bf16; its backward XLA's autodiff)
-  and against the package's jnp path (``jnp``: the float32 reference), both
-  on the v32 shapes only. FLOPs = 2*B*S*H*T*(D + d_v) forward, 2*B*S*H*T*(3D
+  backward kernels against sparse MLA written plainly in XLA (bf16 products,
+  P rounded to bf16; its backward XLA's autodiff) and against the package's
+  jnp path (``jnp``: the float32 reference): the forward at the v32 shapes,
+  the backward at H = 128. FLOPs = 2*B*S*H*T*(D + d_v) forward, 2*B*S*H*T*(3D
   + 2 d_v) backward.
 * ``dsa-layer-v32`` (§10): the whole layer, ``dsa_attention``'s forward plus
   backward of ``sum(out * g) + mean(kl)`` on the kernels, against the same

@@ -2,7 +2,7 @@
 backward of ``sum(out * g) + mean(indexer_kl)`` w.r.t. q, kv, index_q,
 index_k and weights through ``dsa_attention`` on the kernels, against the
 same layer in XLA two ways, each with its temporaries: ``xla``, written
-plainly at the kernels' precision (the top-k as the package's jnp path
+plainly (``plain_xla``; the top-k as the package's jnp path
 computes it, a chunked einsum and ``lax.top_k``; sparse MLA as
 ``plain_xla.xla_sparse_mla``; the target and the loss as
 ``plain_xla.xla_attn_target`` and ``xla_indexer_kl``), and ``jnp``,
