@@ -14,35 +14,33 @@ it (gathering bf16 rows with a float32-summing transpose instead was
 slower: mla-v32-h128's forward 22.80 ms against 17.55, in two calls on an
 H200); the indexer loss's ``index_k`` rows are gathered in bf16 and their
 gradient summed by XLA's scatter in bf16. Sparse MLA runs in chunks of
-query rows (``lax.map``: every row's gathered keys at once would not fit),
-each chunk recomputed in the backward (``jax.checkpoint``)."""
+query rows (``lax.map``, so that its temporaries do not grow with S), each
+chunk's scores and softmax recomputed in the backward (``jax.checkpoint``),
+as the kernel recomputes P; a version that keeps every chunk's residuals
+instead (some 15-20 GB at the v32 shapes) has not been timed."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jax_attn_dist._core.chunks import causal_parts, causal_visible
+from jax_attn_dist._core import chunks
+from jax_attn_dist._core.chunks import LOG2E
 
 #: Query rows per chunk (sparse MLA's gathered rows: about 0.9 GB a chunk at
 #: the v32 shapes, in float32 and bf16).
 CHUNK_ROWS = 128
-LOG2E = 1.4426950408889634
 
 
 def valid_slots(idx, positions, *, N, causal, q_start_index, k_stride):
-    """SPEC §2's rule for the slots ``idx`` [R, T] of the query rows at
-    ``positions`` [R] (the query at ``q_start_index + position``): ``0 <= i
-    < N`` and, where causal, ``i <= floor((q0 + s + 1 - ks) / ks)``, in the
-    package's exact int32 form."""
-    valid = (idx >= 0) & (idx < N)
-    if causal:
-        qq, qr = causal_parts(jnp.asarray(q_start_index, jnp.int32), k_stride)
-        rows = (idx.shape[0],)
-        seen = causal_visible(jnp.clip(idx, 0, max(N - 1, 0))[:, None, :], positions,
-                              jnp.broadcast_to(qq, rows), jnp.broadcast_to(qr, rows), k_stride=k_stride)
-        valid &= seen[:, 0, :]
-    return valid
+    """SPEC §2's rule (the package's own exact form) for the slots ``idx``
+    [R, T] of the query rows at ``positions`` [R], the query at
+    ``q_start_index + position``."""
+    qq, qr = chunks.causal_parts(jnp.asarray(q_start_index, jnp.int32).reshape(1), k_stride)
+    rows = jnp.zeros(idx.shape[:1], jnp.int32)  # one batch element
+    valid, _ = chunks.valid_slots(idx[:, None, :], rows, positions, qq, qr, None, N=N, causal=causal,
+                                  k_stride=k_stride)
+    return valid[:, 0, :]
 
 
 def map_row_chunks(fn, chunk, *operands):
@@ -50,7 +48,7 @@ def map_row_chunks(fn, chunk, *operands):
     are ``(array, fill)`` pairs sharing their first dimension S, padded with
     ``fill`` to whole chunks; ``fn``'s outputs come back [S, ...]."""
     S = operands[0][0].shape[0]
-    C = min(chunk, S)
+    C = max(min(chunk, S), 1)  # S = 0: no chunk
     pad = -S % C
     xs = [jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1), constant_values=fill).reshape((-1, C) + a.shape[1:])
           for a, fill in operands]

@@ -1,6 +1,7 @@
-"""The benchmark's own pieces that run anywhere: the plain-XLA indexer loss
-it compares against computes SPEC §5, the plot is drawn from a results
-file, the sparse_mla and indexer_topk rows are registered, count SPEC §8's
+"""The benchmark's own pieces that run anywhere: the plain-XLA versions it
+compares against (benchmarks/plain_xla.py: the indexer loss, sparse MLA and
+its gradients, the layer's target, the whole layer) compute the SPEC, the
+plot is drawn from a results file, the sparse_mla and indexer_topk rows are registered, count SPEC §8's
 and §9's FLOPs and build their rows (on tiny shapes, the jnp path standing
 in for the kernel). (The timings themselves need a GPU: benchmarks/bench.py.)"""
 
@@ -97,21 +98,21 @@ def test_flop_counts():
         assert visible_keys(9, 20, q_start, k_stride) == int(np.isfinite(logits).sum())
 
 
-@pytest.mark.parametrize("lse_base", ["2", "e"])
-def test_plain_xla_sparse_mla_is_the_spec(lse_base):
+@pytest.mark.parametrize("lse_base,k_stride", [("2", 1), ("e", 3)])
+def test_plain_xla_sparse_mla_is_the_spec(lse_base, k_stride):
     """The plain-XLA baseline the sparse_mla rows compare against computes
     SPEC §8 (against the float64 oracle, to bf16's rounding of P and out),
     its gradient too (XLA's autodiff), on adversarial indices (out of range,
-    duplicates, rows with no valid slot), across several chunks with padding
-    rows."""
+    duplicates, rows with no valid slot), with a key stride, across several
+    chunks with padding rows."""
     import jax
 
     from plain_xla import xla_sparse_mla
     from sparse_mla_cases import make_sparse_mla_inputs
 
     q, kv, idx, kw = make_sparse_mla_inputs(seed_of("bench-plain-mla", lse_base), S=11, H=4, D=64, N=40, T=24,
-                                            d_v=32, lse_base=lse_base, empty_rows=0.2)
-    rule = dict(sm_scale=kw["sm_scale"], d_v=32, causal=True, q_start_index=kw["q_start_index"], k_stride=1,
+                                            d_v=32, lse_base=lse_base, k_stride=k_stride, empty_rows=0.2)
+    rule = dict(sm_scale=kw["sm_scale"], d_v=32, causal=True, q_start_index=kw["q_start_index"], k_stride=k_stride,
                 lse_base=lse_base)
     f = lambda q, kv: xla_sparse_mla(q, kv, idx, **rule, chunk=4)  # noqa: E731
     (out, lse), vjp = jax.vjp(f, q, kv)
