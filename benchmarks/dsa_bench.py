@@ -58,26 +58,29 @@ def package_ops(kw, impl):
                                                                         lse_base="e", **rule))
 
 
-def plain_ops(kw):
+def plain_ops(kw, remat=True):
     """(topk, sparse_mla, indexer loss) written plainly in XLA (the top-k:
-    the package's jnp path, already a chunked einsum and ``lax.top_k``)."""
+    the package's jnp path, already a chunked einsum and ``lax.top_k``;
+    ``remat``: sparse MLA's backward recomputes each chunk's forward, or
+    keeps its residuals)."""
     rule = dict(causal=kw["causal"], q_start_index=kw["q_start_index"], k_stride=1)
     topk = package_ops(kw, "xla")[0]
     return (topk,
-            lambda q, kv, i: xla_sparse_mla(q, kv, i, sm_scale=kw["sm_scale"], d_v=kw["d_v"], lse_base="e", **rule),
+            lambda q, kv, i: xla_sparse_mla(q, kv, i, sm_scale=kw["sm_scale"], d_v=kw["d_v"], lse_base="e", remat=remat,
+                                            **rule),
             lambda q, kv, lse, iq, ik, w, i: xla_indexer_kl(
                 iq, ik, w, i, xla_attn_target(q, kv, i, lse, sm_scale=kw["sm_scale"], **rule), scale=1.0, **rule))
 
 
 def layer_step(kw, impl):
     """jit(value_and_grad) of ``sum(out * g) + mean(kl)`` w.r.t. the five
-    inputs, through ``dsa_attention`` on ``impl`` or (``impl="plain"``) the
-    same composition of :func:`plain_ops`."""
+    inputs, through ``dsa_attention`` on ``impl`` or (``impl="plain"``,
+    ``"plain_saved"``) the same composition of :func:`plain_ops`."""
     import jax_attn_dist
 
     def loss(q, kv, iq, ik, w, g):
-        if impl == "plain":
-            topk, mla, indexer_loss = plain_ops(kw)
+        if impl in ("plain", "plain_saved"):
+            topk, mla, indexer_loss = plain_ops(kw, remat=impl == "plain")
             indices = jax.lax.stop_gradient(topk(iq, ik, w))
             out, lse = mla(q, kv, indices)
             kl = indexer_loss(*(jax.lax.stop_gradient(x) for x in (q, kv, lse)), iq, ik, w, indices)
@@ -141,7 +144,8 @@ def bench_dsa_layer(name, dims, *, calls, samples, gemm_tflops, with_xla=True, i
     log(f"  {name}: layer forward + backward {t_k * 1e3:.2f} ms; by op: {parts_line(parts)}")
     gb = lambda b: "n/a" if b is None else f"{b / 1e9:.2f} GB"  # noqa: E731
     if with_xla:
-        for key, impl, ops in (("xla", "plain", plain_ops(kw)), ("jnp", "xla", package_ops(kw, "xla"))):
+        for key, impl, ops in (("xla", "plain", plain_ops(kw)), ("xla_saved", "plain_saved", plain_ops(kw, remat=False)),
+                               ("jnp", "xla", package_ops(kw, "xla"))):
             f = layer_step(kw, impl)
             loss_x, _ = f(*arg_sets[0])
             t_x = time_calls(f, arg_sets, calls=max(1, calls // 4), samples=samples)

@@ -16,8 +16,8 @@ H200); the indexer loss's ``index_k`` rows are gathered in bf16 and their
 gradient summed by XLA's scatter in bf16. Sparse MLA runs in chunks of
 query rows (``lax.map``, so that its temporaries do not grow with S), each
 chunk's scores and softmax recomputed in the backward (``jax.checkpoint``),
-as the kernel recomputes P; a version that keeps every chunk's residuals
-instead (some 15-20 GB at the v32 shapes) has not been timed."""
+as the kernel recomputes P, or (``remat=False``) every chunk's residuals
+kept from the forward instead (some 15-20 GB at the v32 shapes)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def map_row_chunks(fn, chunk, *operands):
     return jax.tree.map(lambda y: y.reshape((-1,) + y.shape[2:])[:S], out)
 
 
-def xla_sparse_mla(q, kv, indices, *, sm_scale, d_v, causal, q_start_index, k_stride, lse_base, chunk=CHUNK_ROWS):
+def xla_sparse_mla(q, kv, indices, *, sm_scale, d_v, causal, q_start_index, k_stride, lse_base, chunk=CHUNK_ROWS,
+                   remat=True):
     """SPEC §8's ``(out, lse)`` for unbatched q [S, H, D], kv [N, 1, D],
     indices [S, 1, T]: per chunk of rows, the selected kv rows gathered, the
     scores and P.V as bf16 products accumulated in float32, the softmax in
@@ -66,7 +67,6 @@ def xla_sparse_mla(q, kv, indices, *, sm_scale, d_v, causal, q_start_index, k_st
     N = kv.shape[0]
     table32 = kv[:, 0].astype(jnp.float32)
 
-    @jax.checkpoint
     def one_chunk(args):
         qc, ic, positions = args
         valid = valid_slots(ic, positions, N=N, causal=causal, q_start_index=q_start_index, k_stride=k_stride)
@@ -83,7 +83,8 @@ def xla_sparse_mla(q, kv, indices, *, sm_scale, d_v, causal, q_start_index, k_st
         out = jnp.einsum("cht,ctd->chd", p, kg[..., :d_v], preferred_element_type=jnp.float32)
         return out.astype(q.dtype), jnp.where(has, m + jnp.log(l_safe), -jnp.inf)[..., 0]
 
-    out, lse = map_row_chunks(one_chunk, chunk, (q, 0), (indices[:, 0], -1), (jnp.arange(S, dtype=jnp.int32), 0))
+    out, lse = map_row_chunks(jax.checkpoint(one_chunk) if remat else one_chunk, chunk, (q, 0), (indices[:, 0], -1),
+                              (jnp.arange(S, dtype=jnp.int32), 0))
     return out, (lse * jnp.float32(LOG2E) if lse_base == "2" else lse)
 
 

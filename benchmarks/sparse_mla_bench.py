@@ -157,7 +157,9 @@ def bench_sparse_mla_bwd(name, spec, *, calls, samples, gemm_tflops, with_xla=Tr
     )
     if with_xla and name in SPARSE_MLA_BWD_XLA_SHAPES:
         plain_kw = {k: v for k, v in kw.items() if k != "deterministic"}
-        for key, forward in (("jnp", package("xla")), ("xla", lambda q, kv, i: xla_sparse_mla(q, kv, i, **plain_kw))):
+        plain = {key: (lambda q, kv, i, remat=remat: xla_sparse_mla(q, kv, i, **plain_kw, remat=remat))
+                 for key, remat in (("xla", True), ("xla_saved", False))}
+        for key, forward in (("jnp", package("xla")), *plain.items()):
             (xdq, xdkv), x_both, x_fwd, x_extra = timed(forward, max(1, calls // 2))
             t_x = x_both - x_fwd
             dq_rel, _ = oracle.spec_errors(jnp.asarray(dq, jnp.float32), jnp.asarray(xdq, jnp.float32))

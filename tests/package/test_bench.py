@@ -98,8 +98,8 @@ def test_flop_counts():
         assert visible_keys(9, 20, q_start, k_stride) == int(np.isfinite(logits).sum())
 
 
-@pytest.mark.parametrize("lse_base,k_stride", [("2", 1), ("e", 3)])
-def test_plain_xla_sparse_mla_is_the_spec(lse_base, k_stride):
+@pytest.mark.parametrize("lse_base,k_stride,remat", [("2", 1, True), ("e", 3, True), ("e", 1, False)])
+def test_plain_xla_sparse_mla_is_the_spec(lse_base, k_stride, remat):
     """The plain-XLA baseline the sparse_mla rows compare against computes
     SPEC §8 (against the float64 oracle, to bf16's rounding of P and out),
     its gradient too (XLA's autodiff), on adversarial indices (out of range,
@@ -114,7 +114,7 @@ def test_plain_xla_sparse_mla_is_the_spec(lse_base, k_stride):
                                             d_v=32, lse_base=lse_base, k_stride=k_stride, empty_rows=0.2)
     rule = dict(sm_scale=kw["sm_scale"], d_v=32, causal=True, q_start_index=kw["q_start_index"], k_stride=k_stride,
                 lse_base=lse_base)
-    f = lambda q, kv: xla_sparse_mla(q, kv, idx, **rule, chunk=4)  # noqa: E731
+    f = lambda q, kv: xla_sparse_mla(q, kv, idx, **rule, chunk=4, remat=remat)  # noqa: E731
     (out, lse), vjp = jax.vjp(f, q, kv)
     ref_out, ref_lse = oracle.sparse_mla_oracle(q, kv, idx, **rule)
     assert np.isneginf(ref_lse).any() and np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref_lse))
@@ -177,7 +177,9 @@ def test_sparse_mla_bwd_row_on_cpu():
         assert row["kind"] == "sparse_mla_bwd" and row["deterministic"] == det
         assert row["kernel_fwd_bwd_ms"] > 0 and row["xla_fwd_bwd_ms"] > 0 and row["jnp_fwd_bwd_ms"] > 0
         assert row["dq_rel_err_vs_jnp"] < 1e-6 and row["dkv_rel_err_vs_jnp"] < 1e-6
-        assert row["dq_rel_err_vs_xla"] < 1e-2 and row["dkv_rel_err_vs_xla"] < 1e-2
+        for key in ("xla", "xla_saved"):
+            assert row[f"{key}_fwd_bwd_ms"] > 0
+            assert row[f"dq_rel_err_vs_{key}"] < 1e-2 and row[f"dkv_rel_err_vs_{key}"] < 1e-2
 
 
 def test_indexer_topk_row_on_cpu():
@@ -226,10 +228,11 @@ def test_dsa_layer_row_on_cpu():
     assert row["kind"] == "dsa_layer" and row["kernel_ms"] > 0 and row["xla_ms"] > 0 and row["jnp_ms"] > 0
     from dsa_bench import PARTS
 
-    for key in ("parts_ms", "xla_parts_ms", "jnp_parts_ms"):
+    for key in ("parts_ms", "xla_parts_ms", "xla_saved_parts_ms", "jnp_parts_ms"):
         assert list(row[key]) == list(PARTS) and all(v > 0 for v in row[key].values())
     assert row["loss"] == pytest.approx(row["loss_jnp"], rel=1e-6) and row["rows_differing_from_jnp"] == 0
     assert row["loss"] == pytest.approx(row["loss_xla"], rel=1e-2) and row["rows_differing_from_xla"] == 0
+    assert row["loss_xla_saved"] == pytest.approx(row["loss_xla"], rel=1e-6)
     assert "dsa-layer-v32" in bench.table(dict(rows=[row]))
 
 
