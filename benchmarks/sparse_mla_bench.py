@@ -110,12 +110,22 @@ def sparse_mla_bwd_flops(S, H, T, D, d_v, B=1) -> int:
     return 2 * B * S * H * T * (3 * D + 2 * d_v)
 
 
+def forward_and_backward(forward):
+    """jit of ``(q, kv, i, dout, dlse) -> ((out, lse), (dq, dkv))``: the
+    forward's outputs returned beside the gradients, so that XLA cannot drop
+    forward work the gradient does not need (a rematerialised forward would
+    otherwise be timed as its backward less its forward)."""
+    def fwd_bwd(q, kv, i, dout, dlse):
+        out, vjp = jax.vjp(lambda q, kv: forward(q, kv, i), q, kv)
+        return out, vjp((dout, dlse))
+
+    return jax.jit(fwd_bwd)
+
+
 def bench_sparse_mla_bwd(name, spec, *, calls, samples, gemm_tflops, with_xla=True, implementation="cuda"):
     """One row: the forward plus backward (jax.vjp with cotangents on out and
-    lse) and the forward alone, both timed; the backward's time is their
-    difference. Both return the forward's out and lse, so that no path drops
-    forward work its gradient does not need (a rematerialised forward would
-    otherwise leave its backward timed less its forward)."""
+    lse; :func:`forward_and_backward`) and the forward alone, both timed;
+    the backward's time is their difference."""
     import jax_attn_dist
     from jax_attn_dist import oracle
 
@@ -132,11 +142,7 @@ def bench_sparse_mla_bwd(name, spec, *, calls, samples, gemm_tflops, with_xla=Tr
         return lambda q, kv, i: jax_attn_dist.sparse_mla(q, kv, i, implementation=impl, **kw)
 
     def timed(forward, n_calls):
-        def fwd_bwd(q, kv, i, dout, dlse):
-            out, vjp = jax.vjp(lambda q, kv: forward(q, kv, i), q, kv)
-            return out, vjp((dout, dlse))
-
-        both, alone = jax.jit(fwd_bwd), jax.jit(lambda q, kv, i, dout, dlse: forward(q, kv, i))
+        both, alone = forward_and_backward(forward), jax.jit(lambda q, kv, i, dout, dlse: forward(q, kv, i))
         _, grads = both(*arg_sets[0])
         t_both = time_calls(both, arg_sets, calls=n_calls, samples=samples)
         t_fwd = time_calls(alone, arg_sets, calls=n_calls, samples=samples)

@@ -165,6 +165,28 @@ def test_sparse_mla_row_on_cpu():
     assert SPARSE_MLA_XLA_SHAPES == ("mla-v32-h128", "mla-v32-h64")
 
 
+def test_backward_timing_keeps_the_forward():
+    """The backward rows time forward + backward minus the forward: the
+    timed forward + backward must return the forward's outputs (the same
+    bits as the forward alone), or XLA drops a rematerialised forward from
+    it and the difference is the backward less a forward."""
+    import jax
+
+    from plain_xla import xla_sparse_mla
+    from sparse_mla_bench import forward_and_backward
+    from sparse_mla_cases import make_sparse_mla_inputs
+
+    q, kv, idx, kw = make_sparse_mla_inputs(seed_of("bench-bwd-timing"), S=8, H=4, D=64, N=40, T=16, d_v=32)
+    rule = dict(sm_scale=kw["sm_scale"], d_v=32, causal=True, q_start_index=kw["q_start_index"], k_stride=1,
+                lse_base="2")
+    forward = lambda q, kv, i: xla_sparse_mla(q, kv, i, **rule, chunk=4)  # noqa: E731
+    dout, dlse = jnp.ones((8, 4, 32), jnp.bfloat16), jnp.ones((8, 4), jnp.float32)
+    (out, lse), (dq, dkv) = forward_and_backward(forward)(q, kv, idx, dout, dlse)
+    ref_out, ref_lse = jax.jit(forward)(q, kv, idx)
+    assert np.array_equal(np.asarray(out), np.asarray(ref_out)) and np.array_equal(np.asarray(lse), np.asarray(ref_lse))
+    assert dq.shape == q.shape and dkv.shape == kv.shape
+
+
 def test_sparse_mla_bwd_row_on_cpu():
     """The backward row's code on the jnp path: both modes run, the FLOPs are
     the five GEMMs', and the XLA row agrees with the timed path."""
