@@ -72,24 +72,39 @@ def plain_ops(kw, remat=True):
                 iq, ik, w, i, xla_attn_target(q, kv, i, lse, sm_scale=kw["sm_scale"], **rule), scale=1.0, **rule))
 
 
-def layer_step(kw, impl):
+def _step(layer):
     """jit(value_and_grad) of ``sum(out * g) + mean(kl)`` w.r.t. the five
-    inputs, through ``dsa_attention`` on ``impl`` or (``impl="plain"``,
-    ``"plain_saved"``) the same composition of :func:`plain_ops`."""
-    import jax_attn_dist
-
+    inputs, ``layer(q, kv, iq, ik, w) -> (out, kl)``."""
     def loss(q, kv, iq, ik, w, g):
-        if impl in ("plain", "plain_saved"):
-            topk, mla, indexer_loss = plain_ops(kw, remat=impl == "plain")
-            indices = jax.lax.stop_gradient(topk(iq, ik, w))
-            out, lse = mla(q, kv, indices)
-            kl = indexer_loss(*(jax.lax.stop_gradient(x) for x in (q, kv, lse)), iq, ik, w, indices)
-        else:
-            r = jax_attn_dist.dsa_attention(q, kv, iq, ik, w, implementation=impl, **kw)
-            out, kl = r.out, r.indexer_kl
+        out, kl = layer(q, kv, iq, ik, w)
         return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)) + jnp.mean(kl)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def layer_step(kw, impl):
+    """The training step through ``dsa_attention`` on ``impl``."""
+    import jax_attn_dist
+
+    def layer(q, kv, iq, ik, w):
+        r = jax_attn_dist.dsa_attention(q, kv, iq, ik, w, implementation=impl, **kw)
+        return r.out, r.indexer_kl
+
+    return _step(layer)
+
+
+def composed_step(ops):
+    """The same step composed of ``ops`` (:func:`plain_ops`) as
+    dsa_attention composes its own: the top-k and the target under
+    ``stop_gradient``."""
+    topk, mla, indexer_loss = ops
+
+    def layer(q, kv, iq, ik, w):
+        indices = jax.lax.stop_gradient(topk(iq, ik, w))
+        out, lse = mla(q, kv, indices)
+        return out, indexer_loss(*(jax.lax.stop_gradient(x) for x in (q, kv, lse)), iq, ik, w, indices)
+
+    return _step(layer)
 
 
 def time_parts(arg_sets, ops, *, calls, samples):
@@ -144,9 +159,9 @@ def bench_dsa_layer(name, dims, *, calls, samples, gemm_tflops, with_xla=True, i
     log(f"  {name}: layer forward + backward {t_k * 1e3:.2f} ms; by op: {parts_line(parts)}")
     gb = lambda b: "n/a" if b is None else f"{b / 1e9:.2f} GB"  # noqa: E731
     if with_xla:
-        for key, impl, ops in (("xla", "plain", plain_ops(kw)), ("xla_saved", "plain_saved", plain_ops(kw, remat=False)),
-                               ("jnp", "xla", package_ops(kw, "xla"))):
-            f = layer_step(kw, impl)
+        plain, saved = plain_ops(kw), plain_ops(kw, remat=False)
+        for key, f, ops in (("xla", composed_step(plain), plain), ("xla_saved", composed_step(saved), saved),
+                            ("jnp", layer_step(kw, "xla"), package_ops(kw, "xla"))):
             loss_x, _ = f(*arg_sets[0])
             t_x = time_calls(f, arg_sets, calls=max(1, calls // 4), samples=samples)
             x_parts, x_indices = time_parts(arg_sets, ops, calls=max(1, calls // 4), samples=samples)

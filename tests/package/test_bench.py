@@ -265,7 +265,7 @@ def test_plain_xla_layer_is_the_layer():
     within bf16's rounding of P; and, with g = 0, none reaching q or kv
     (the target is stop_gradient)."""
     import jax_attn_dist
-    from dsa_bench import dsa_problem, layer_keywords, layer_step, plain_ops
+    from dsa_bench import composed_step, dsa_problem, layer_keywords, layer_step, plain_ops
 
     dims = (16, 40, 4, 32, 16, 8, 4, 16)
     kw = layer_keywords(dims)
@@ -277,10 +277,10 @@ def test_plain_xla_layer_is_the_layer():
     assert np.array_equal(np.asarray(idx), np.asarray(ref.indices))
     kl = np.asarray(indexer_loss(q, kv, lse, iq, ik, w, idx))
     assert np.abs(kl - np.asarray(ref.indexer_kl)).max() < 1e-5 * (1 + np.abs(kl).max())
-    _, plain = layer_step(kw, "plain")(q, kv, iq, ik, w, g)
+    _, plain = composed_step(plain_ops(kw))(q, kv, iq, ik, w, g)
     _, jnp_path = layer_step(kw, "xla")(q, kv, iq, ik, w, g)
     for name, a, b in zip(("q", "kv", "index_q", "index_k", "weights"), plain, jnp_path):
         assert oracle.spec_errors(jnp.asarray(a, jnp.float32), np.asarray(b, np.float64))[0] < 1e-2, name
-    _, no_out = layer_step(kw, "plain")(q, kv, iq, ik, w, jnp.zeros_like(g))
+    _, no_out = composed_step(plain_ops(kw))(q, kv, iq, ik, w, jnp.zeros_like(g))
     assert not np.any(np.asarray(no_out[0], np.float32)) and not np.any(np.asarray(no_out[1], np.float32))
     assert np.any(np.asarray(no_out[2], np.float32))

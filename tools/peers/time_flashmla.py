@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from jax_attn_dist import oracle  # noqa: E402
 from sparse_mla_bench import lse_error, sparse_mla_flops, sparse_mla_problem  # noqa: E402
 from timing import time_calls  # noqa: E402
 
@@ -107,21 +108,6 @@ def rel_errors(out, ref):
             float(np.abs(d).max() / np.abs(ref).max()))
 
 
-def reference_rows(q, kv, indices, rows, sm_scale, d_v):
-    """float64 out of the given rows: every slot of these problems is valid
-    (T distinct causal-visible keys per row), so a plain softmax over them."""
-    q, kv, indices = (np.asarray(x) for x in (q, kv, indices))
-    if not (indices[rows] >= 0).all():  # the problem generator pads a row short of T visible keys with -1
-        raise ValueError("reference_rows: a checked row has an invalid slot; choose S, N and T with T visible keys")
-    ref = []
-    for s in rows:
-        keys = kv[indices[s, 0], 0].astype(np.float64)  # [T, D]
-        scores = q[s].astype(np.float64) @ keys.T * sm_scale  # [H, T]
-        p = np.exp(scores - scores.max(axis=1, keepdims=True))
-        ref.append((p / p.sum(axis=1, keepdims=True)) @ keys[:, :d_v])
-    return np.stack(ref)
-
-
 def to_natural(lse, base):
     return np.asarray(lse, np.float32) * (math.log(2.0) if base == "2" else 1.0)
 
@@ -141,7 +127,10 @@ def row(lib, S, N, H, T, D, d_v, args):
         out_o = np.asarray(out_o, np.float32)
         rel, max_rel = rel_errors(out_f, out_o)
         rows = np.random.default_rng(0).choice(S, size=min(S, args.check_rows), replace=False)
-        ref = reference_rows(*arg_sets[0], rows, kw["sm_scale"], d_v)
+        # The float64 oracle on those rows alone; every index the problem drew is causal-visible (its padding,
+        # -1, is out of range), so the rows need no causal rule of their own.
+        q, kv, indices = (np.asarray(x) for x in arg_sets[0])
+        ref, _ = oracle.sparse_mla_oracle(q[rows], kv, indices[rows], sm_scale=kw["sm_scale"], d_v=d_v, causal=False)
         r = {"name": f"mla-S{S}-N{N}-H{H}-T{T}", "S": S, "N": N, "H": H, "T": T, "D": D, "d_v": d_v,
              "flops": flops, "sm_scale": kw["sm_scale"],
              "out_rel_err": rel, "out_max_err_rel_to_max": max_rel,
