@@ -65,6 +65,23 @@ constexpr int kLogitPad = 16;                // row stride padding: row 1's stor
 constexpr int kHistBits = 11;                // radix digit of the selection
 constexpr int kHistBins = 1 << kHistBits;
 
+// Rows whose keys span several chunks select in one GEMM pass where topk
+// allows (kernel.cuh, "Streaming selection"): each row keeps at most
+// kCandidates keys in shared memory (order key and key index), in the
+// chunk logits' place, and takes a new key only above its cut. After every
+// segment of stream_segment_keys(topk) keys both consumers stop between two
+// blocks; a row whose candidates might not hold the next segment is cut back
+// to its topk best.
+constexpr int kCandidates = 4096;            // per row
+constexpr int kMaxSegmentKeys = 1024;
+constexpr int kMinSegmentKeys = 512;         // past topk = kCandidates - this: a GEMM pass per radix round
+__host__ __device__ constexpr int stream_segment_keys(int topk) {
+  const int room = (kCandidates - topk) / (2 * 64) * (2 * 64);  // whole blocks, one per consumer
+  return room < kMaxSegmentKeys ? room : kMaxSegmentKeys;
+}
+__host__ __device__ constexpr bool streams(int topk) { return topk >= 1 && stream_segment_keys(topk) >= kMinSegmentKeys; }
+static_assert(kMaxSegmentKeys * 2 <= kCandidates, "a row's first segments fill at most half its candidates");
+
 // Named barriers (0 is __syncthreads, used only at set-up).
 constexpr int kBarConsumers = 1;             // both consumer warpgroups
 constexpr int kBarPass = 2;                  // consumers arrive, the producer warp syncs: the next pass's kind
@@ -162,6 +179,16 @@ struct Config {
                                        cute::GMMA::Major::K, cute::GMMA::Major::K>()));
 
   using Logits = uint32_t[kRows][kLogitRowWords];  // order keys (select.cuh) of the chunk's keys, per row
+  // The streaming selection's rows (multi-pass kernel), in the logits' place
+  // (candidates(plan): a view, so that the plan, and the code of the kernels
+  // that never stream, stay as they are without it).
+  struct Candidates {
+    uint32_t u[kRows][kCandidates];           // a row's candidates: order keys
+    uint32_t key[kRows][kCandidates];         // and key indices
+    uint32_t count[kRows];                    // a row's candidates
+    uint32_t cut[kRows];                      // a row takes a key only if its order key is above this
+  };
+  static_assert(sizeof(Candidates) <= sizeof(Logits), "the candidates take the logits' place");
   struct SharedMemoryPlan {
     alignas(kSmemAlign) Elem q[cute::cosize_v<SmemLayoutQ>];
     alignas(kSmemAlign) Elem k[cute::cosize_v<SmemLayoutK>];
@@ -181,6 +208,9 @@ struct Config {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedMemoryPlan)) + kSmemAlign;  // + base alignment
   static_assert(kSmemBytes <= kMaxDynamicSmem, "shared-memory plan exceeds 227 KiB");
+  static __device__ __forceinline__ Candidates& candidates(SharedMemoryPlan& plan) {
+    return *reinterpret_cast<Candidates*>(&plan.logits[0]);
+  }
 };
 
 // Passed by value as a __grid_constant__ kernel parameter.

@@ -163,7 +163,7 @@ __device__ __forceinline__ void produce(typename Cfg::SharedMemoryPlan& plan, co
     load_q<Cfg>(plan, tma, c, 0);
   }
   int j = 0;  // blocks streamed so far (stage j % kStages, its use j / kStages)
-  bool emits = c.num_chunks == 1;
+  bool emits = c.num_chunks == 1 || streams(p.topk);  // one pass
   for (;;) {
     for (int ch = 0; ch < c.num_chunks; ++ch) {
       const int blocks = c.chunk_blocks(ch);
@@ -337,14 +337,16 @@ __device__ __forceinline__ void release_stage(typename Cfg::SharedMemoryPlan& pl
   if (t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&plan.empty[at.stage()]);
 }
 
-// The logits of the chunk's block `slot`, whose WGMMAs have completed into
-// acc (its stage released): each (key, row) sum reduced over its quad and
-// stored by one lane (and counted in the row's first-digit histogram, where
-// fd.on).
+// A block's logit of one (query row, key) a lane, from acc (its WGMMAs
+// completed): the weighted head sums reduced over each quad, lane q holding
+// (row q / 2, key m).
+struct LaneLogit {
+  uint32_t u;  // the logit's order key
+  int row, m;  // the query row, the key's place in its block
+};
 template <class Cfg, class Acc>
-__device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
-                                             const ColumnWeights<Cfg>& weights, const KeyScales& k, int slot, int t,
-                                             const LogitsSink<Cfg>& sink) {
+__device__ __forceinline__ LaneLogit lane_logit(const Acc& acc, const ColumnWeights<Cfg>& weights, const KeyScales& k,
+                                                int t) {
   const int warp = t / 32, lane = t % 32, quad = lane % 4;
 
   // part[row][rh]: the thread's columns of each (query row, key) sum. A warp
@@ -367,18 +369,88 @@ __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& pla
   for (int rh = 0; rh < 2; ++rh) keep[rh] += __shfl_xor_sync(0xffffffffu, send[rh], 2);
   float sum = odd_lane ? keep[1] : keep[0];
   sum += __shfl_xor_sync(0xffffffffu, odd_lane ? keep[0] : keep[1], 1);
-  const int row = quad >> 1, rh = quad & 1;
-  const int m = 16 * warp + lane / 4 + 8 * rh;
-  const uint32_t u = order_key(sum * (rh ? k.ks[1] : k.ks[0]));
-  const int pos = slot * kBlockKeys + m;
-  (*sink.logits)[row][pos] = u;
+  const int rh = quad & 1;
+  return {order_key(sum * (rh ? k.ks[1] : k.ks[0])), quad >> 1, 16 * warp + lane / 4 + 8 * rh};
+}
+
+// The logits of the chunk's block `slot`, whose WGMMAs have completed into
+// acc (its stage released): each (key, row) logit stored by one lane (and
+// counted in the row's first-digit histogram, where fd.on).
+template <class Cfg, class Acc>
+__device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
+                                             const ColumnWeights<Cfg>& weights, const KeyScales& k, int slot, int t,
+                                             const LogitsSink<Cfg>& sink) {
+  const LaneLogit l = lane_logit<Cfg>(acc, weights, k, t);
+  const int pos = slot * kBlockKeys + l.m;
+  (*sink.logits)[l.row][pos] = l.u;
   const FirstDigit& fd = sink.fd;
   if (fd.on) {
     // (selects, not a runtime index into fd: that would put it in local memory)
-    const uint32_t first = row ? fd.first[1] : fd.first[0], span = row ? fd.span[1] : fd.span[0];
+    const uint32_t first = l.row ? fd.first[1] : fd.first[0], span = l.row ? fd.span[1] : fd.span[0];
     const bool mine = uint32_t(pos) - first < span;
-    shared_add(&plan.hist[row][u >> (32 - kHistBits)], uint32_t(mine));
+    shared_add(&plan.hist[l.row][l.u >> (32 - kHistBits)], uint32_t(mine));
   }
+}
+template <class Cfg>
+__device__ __forceinline__ void after_block(typename Cfg::SharedMemoryPlan&, LogitsSink<Cfg>&, int, int) {}
+
+// ---------------------------------------------------------------------------
+// Streaming selection: rows whose keys span several chunks, where topk leaves
+// a segment of at least kMinSegmentKeys (config.h). One GEMM pass: each
+// (row, key) logit above the row's cut joins the row's candidates; after
+// every segment of S = stream_segment_keys(topk) keys (S / 64 blocks, half
+// of them each consumer's) both consumers stop between two blocks (the next
+// one's WGMMAs in flight), and a row with more than kCandidates - S
+// candidates is cut back to its topk best by its consumer
+// (compact_candidates), which raises its cut. A later key has a larger index
+// than every candidate, so it can join the topk only above the topk-th best
+// candidate's order key; the cut is at most that. At the end each row's
+// topk best candidates are its output, written in key order.
+// ---------------------------------------------------------------------------
+template <class Cfg>
+struct StreamSink {
+  int q_buffer = 0;
+  uint64_t* q_free = nullptr;
+  uint32_t first[kRows], span[kRows];  // each row's keys, from the CTA's first (span 0: the row takes none)
+  uint32_t cut[kRows];                 // a key joins only above its row's cut
+  uint32_t key_base;                   // the CTA's first key
+  int segment_blocks, blocks;          // a checkpoint after each segment but the one the blocks end in
+  uint32_t topk;
+  int wg;                              // this consumer: it cuts back row wg
+};
+
+template <class Cfg, class Acc>
+__device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& plan, const Acc& acc,
+                                             const ColumnWeights<Cfg>& weights, const KeyScales& k, int blk, int t,
+                                             StreamSink<Cfg>& sink) {
+  const LaneLogit l = lane_logit<Cfg>(acc, weights, k, t);
+  const uint32_t pos = uint32_t(blk * kBlockKeys + l.m);
+  const bool r1 = l.row != 0;  // (selects: a runtime index into the sink would put it in local memory)
+  const bool take = pos - (r1 ? sink.first[1] : sink.first[0]) < (r1 ? sink.span[1] : sink.span[0]) &&
+                    l.u > (r1 ? sink.cut[1] : sink.cut[0]);
+  if (!__any_sync(0xffffffffu, take)) return;  // most blocks, once the cuts have risen
+  const int lane = t % 32;
+  auto& cand = Cfg::candidates(plan);
+  append_candidate(cand.u[0], cand.key[0], &cand.count[0], take && !r1, l.u, sink.key_base + pos, lane);
+  append_candidate(cand.u[1], cand.key[1], &cand.count[1], take && r1, l.u, sink.key_base + pos, lane);
+}
+
+// After this consumer's block blk: where blk ends a segment (the other
+// consumer's last block of it is blk +- 1) and more blocks follow, the
+// checkpoint.
+template <class Cfg>
+__device__ __forceinline__ void after_block(typename Cfg::SharedMemoryPlan& plan, StreamSink<Cfg>& sink, int blk,
+                                            int t) {
+  const int segment_end = (blk / sink.segment_blocks + 1) * sink.segment_blocks;
+  if (blk + kConsumers < segment_end || segment_end >= sink.blocks) return;
+  consumers_sync();  // both consumers' candidates of the segment appended
+  auto& cand = Cfg::candidates(plan);
+  const bool selects = (sink.wg ? sink.span[1] : sink.span[0]) != 0u;
+  if (selects && cand.count[sink.wg] > uint32_t(kCandidates - sink.segment_blocks * kBlockKeys))
+    compact_candidates(plan, cand, sink.wg, sink.topk, t);
+  consumers_sync();  // both rows' cuts set
+  sink.cut[0] = cand.cut[0];
+  sink.cut[1] = cand.cut[1];
 }
 
 // One step of a warpgroup's block loop, two accumulators deep: block blk's
@@ -390,11 +462,10 @@ __device__ __forceinline__ void finish_block(typename Cfg::SharedMemoryPlan& pla
 // warpgroup and one landing) blk's stage is freed first: the next block's
 // stage is the one the other warpgroup frees, so waiting for it while
 // holding blk's would let one load at a time land.
-template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc, class Sink>
 __device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragA& tA,
                                            const FragB& tB, Acc& cur, Acc& next, const ColumnWeights<Cfg>& weights,
-                                           float scale, int shift, KeyRingPos<Cfg> at, int blk, int t,
-                                           const LogitsSink<Cfg>& sink) {
+                                           float scale, int shift, KeyRingPos<Cfg> at, int blk, int t, Sink& sink) {
   const KeyScales k = stage_key_scales<Cfg>(plan, at, scale, shift, t);
   if constexpr (!Cfg::kSharedStages) {
     issue_block<Cfg>(plan, mma, tA, tB, next, at.advanced(), sink.q_buffer);
@@ -410,37 +481,38 @@ __device__ __forceinline__ void block_step(typename Cfg::SharedMemoryPlan& plan,
     warpgroup_commit_batch();
   }
   finish_block<Cfg>(plan, cur, weights, k, blk, t, sink);
+  after_block<Cfg>(plan, sink, blk, t);
 }
 
 // The warpgroup's last block of a chunk: nothing behind it.
-template <class Cfg, class Acc>
+template <class Cfg, class Acc, class Sink>
 __device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan, Acc& cur,
                                            const ColumnWeights<Cfg>& weights, float scale, int shift,
-                                           KeyRingPos<Cfg> at, int blk, int t, const LogitsSink<Cfg>& sink) {
+                                           KeyRingPos<Cfg> at, int blk, int t, Sink& sink) {
   const KeyScales k = stage_key_scales<Cfg>(plan, at, scale, shift, t);
   warpgroup_wait<0>();
   warpgroup_fence_operand(cur);
   if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
   release_stage<Cfg>(plan, at, t);
   finish_block<Cfg>(plan, cur, weights, k, blk, t, sink);
+  after_block<Cfg>(plan, sink, blk, t);  // (a segment may end here and the other consumer's last block follow)
 }
 
-// A warpgroup's blocks of chunk ch (block j0 + blk is this warpgroup's
-// where it is wg modulo 2: config.h, the key ring). The block in flight
+// A warpgroup's blocks j0 + blk, blk < blocks (block j0 + blk is this
+// warpgroup's where it is wg modulo 2: config.h, the key ring), whose keys'
+// scales start `shift` into their stage slots. The block in flight
 // alternates between acc0 and acc1; the loop is unrolled by two so that each
 // is named statically, and the last block finishes in whichever holds it.
-template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
-                                             const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
-                                             Acc& acc0, Acc& acc1, const ColumnWeights<Cfg>& weights, int j0, int ch,
-                                             int wg, int t, const LogitsSink<Cfg>& sink) {
-  const int blocks = c.chunk_blocks(ch);
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc, class Sink>
+__device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                             TiledMma& mma, const FragA& tA, const FragB& tB, Acc& acc0, Acc& acc1,
+                                             const ColumnWeights<Cfg>& weights, int j0, int blocks, int shift, int wg,
+                                             int t, Sink& sink) {
   int blk = (wg + j0) & 1;
   if (blk >= blocks) {
     if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
     return;
   }
-  const int shift = scale_shift(p, c, ch);
   KeyRingPos<Cfg> at = KeyRingPos<Cfg>::of(j0 + blk);
   issue_block<Cfg>(plan, mma, tA, tB, acc0, at, sink.q_buffer);
   warpgroup_commit_batch();
@@ -454,6 +526,16 @@ __device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& pla
     at = at.advanced();
     blk += kConsumers;
   }
+}
+
+// A warpgroup's blocks of chunk ch.
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc, class Sink>
+__device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
+                                             const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
+                                             Acc& acc0, Acc& acc1, const ColumnWeights<Cfg>& weights, int j0, int ch,
+                                             int wg, int t, Sink&& sink) {
+  block_logits<Cfg>(plan, p, mma, tA, tB, acc0, acc1, weights, j0, c.chunk_blocks(ch), scale_shift(p, c, ch), wg, t,
+                    sink);
 }
 
 template <class Cfg>
@@ -504,6 +586,30 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
     }
     EmitCursor cur;
     emit_keys(plan, u, a, e, c.begin, s, cur, out, p.topk, wg, t);
+    return;
+  }
+
+  if (streams(p.topk)) {  // several chunks in one pass (StreamSink)
+    StreamSink<Cfg> sink;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      sink.first[r] = c.rows[r].begin - c.begin;
+      sink.span[r] = c.rows[r].select ? c.rows[r].span : 0u;
+      sink.cut[r] = 0u;  // below every order key: take every key until a row's first cut
+    }
+    sink.key_base = c.begin;
+    sink.segment_blocks = stream_segment_keys(p.topk) / kBlockKeys;
+    sink.blocks = int((c.end - c.begin + kBlockKeys - 1) / kBlockKeys);
+    sink.topk = uint32_t(p.topk);
+    sink.wg = wg;
+    auto& cand = Cfg::candidates(plan);
+    if (t == 0) cand.count[wg] = 0u, cand.cut[wg] = 0u;
+    consumers_sync();  // both rows' counts and cuts set
+    block_logits<Cfg>(plan, p, mma, tA, tB, acc0, acc1, weights, 0, sink.blocks, scale_shift(p, c, 0), wg, t, sink);
+    consumers_sync();  // every candidate appended
+    if (!me.select) return;
+    if (cand.count[wg] > uint32_t(p.topk)) compact_candidates(plan, cand, wg, uint32_t(p.topk), t);
+    emit_candidates_in_order(plan, cand, wg, me.begin, me.span, uint32_t(p.topk), out, t);
     return;
   }
 

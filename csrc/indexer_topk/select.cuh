@@ -280,5 +280,144 @@ __device__ __forceinline__ void emit_keys(Plan& plan, const uint32_t* u, int a, 
   });
 }
 
+// ---------------------------------------------------------------------------
+// Streaming selection (kernel.cuh): a row's candidates, cut back to its topk
+// best as they fill, then written in key order.
+// ---------------------------------------------------------------------------
+
+// Appends (v, key) to a row's candidates where take holds: one shared atomic
+// a warp (its lanes' slots in lane order). Warp-uniform call.
+__device__ __forceinline__ void append_candidate(uint32_t* cand_u, uint32_t* cand_key, uint32_t* count, bool take,
+                                                 uint32_t v, uint32_t key, int lane) {
+  const uint32_t takes = __ballot_sync(0xffffffffu, take);
+  if (takes == 0u) return;
+  const int leader = __ffs(takes) - 1;
+  uint32_t base = 0u;
+  if (lane == leader) base = atomicAdd(count, uint32_t(__popc(takes)));
+  base = __shfl_sync(0xffffffffu, base, leader);
+  if (take) {
+    const uint32_t at = base + uint32_t(__popc(takes & ((1u << lane) - 1u)));
+    cand_u[at] = v;
+    cand_key[at] = key;
+  }
+}
+
+// The radix histogram of the ties at the exact cut (candidates whose order
+// key is `cut`), over ~key: the ties to take are those with the smallest keys,
+// the largest ~key. Candidates are in no particular order, so that the key
+// index, not the position, decides.
+__device__ __forceinline__ void tie_hist_add(uint32_t* hist, const uint32_t* cand_u, const uint32_t* cand_key,
+                                             uint32_t n, uint32_t cut, const RowSelect& s, int t) {
+  const int shift = s.shift();
+  const uint32_t mask = (1u << (s.low_bits - shift)) - 1u, known = s.known_mask(), prefix = s.prefix;
+  for (uint32_t i = t; i < n; i += kWarpgroupThreads) {
+    const uint32_t w = ~cand_key[i];
+    const bool counts = cand_u[i] == cut && ((w ^ prefix) & known) == 0u;
+    shared_add(hist + ((w >> shift) & mask), uint32_t(counts));
+  }
+}
+
+// Cuts row r's n > topk candidates back to its topk best (larger order key
+// first, then the smaller key), in place, and sets the row's cut: a key that
+// comes later (a larger index) belongs to the row's topk only if its order
+// key is above the cut (the topk-th best's, or a value at or below it).
+// Warpgroup r alone; its histogram is clear on entry and on return.
+template <class Plan, class Candidates>
+__device__ __forceinline__ void compact_candidates(Plan& plan, Candidates& cand, int r, uint32_t topk, int t) {
+  uint32_t* cand_u = cand.u[r];
+  uint32_t* cand_key = cand.key[r];
+  const uint32_t n = cand.count[r];
+  RowSelect s = RowSelect::first_round(topk, n);
+  while (!s.done()) {  // (n > topk: at least one round, whose barriers order every read of n before the reset)
+    hist_add(plan.hist[r], cand_u, 0, int(n), s, t);
+    hist_resolve(plan, s, r, t);
+  }
+  // Take order key > cut, and = cut where ~key >= tie_cut: every candidate
+  // of the prefix's bin where need == count (tie_cut 0), else (the exact cut
+  // value) the `need` ties with the smallest keys (keys are distinct).
+  const uint32_t cut = s.prefix;
+  uint32_t tie_cut = 0u;
+  if (s.need != s.count) {
+    RowSelect ties = RowSelect::first_round(s.need, s.count);
+    while (!ties.done()) {
+      tie_hist_add(plan.hist[r], cand_u, cand_key, n, cut, ties, t);
+      hist_resolve(plan, ties, r, t);
+    }
+    tie_cut = ties.prefix;
+  }
+  if (t == 0) cand.count[r] = 0u;
+  // In place, kLoadsInFlight * 128 candidates at a time: all of a group read
+  // before any is written; a write lands below the group's end (no more are
+  // taken than read so far), never on a candidate not yet read.
+  const int lane = t % 32;
+  for (uint32_t base = 0; base < n; base += kLoadsInFlight * kWarpgroupThreads) {
+    uint32_t v[kLoadsInFlight], key[kLoadsInFlight];
+    bool take[kLoadsInFlight];
+    CUTE_UNROLL
+    for (int k = 0; k < kLoadsInFlight; ++k) {
+      const uint32_t i = base + uint32_t(t + k * kWarpgroupThreads);
+      const bool in = i < n;
+      v[k] = in ? cand_u[i] : 0u;
+      key[k] = in ? cand_key[i] : 0u;
+      take[k] = in && (v[k] > cut || (v[k] == cut && ~key[k] >= tie_cut));
+    }
+    row_sync(r);  // the group read (and, the first time, the count reset)
+    CUTE_UNROLL
+    for (int k = 0; k < kLoadsInFlight; ++k)
+      append_candidate(cand_u, cand_key, &cand.count[r], take[k], v[k], key[k], lane);
+  }
+  if (t == 0) cand.cut[r] = cut;
+  row_sync(r);  // every candidate placed
+}
+
+// Writes row r's topk candidates (distinct keys of [begin, begin + span)) to
+// its output in ascending key order: a bitmap of the keys, a window of
+// 32 * kHistBins keys at a time, in the row's histogram (clear on entry; left
+// clear), each thread taking a run of consecutive words, a scan over the
+// warpgroup giving each run its first position.
+template <class Plan, class Candidates>
+__device__ __forceinline__ void emit_candidates_in_order(Plan& plan, const Candidates& cand, int r, uint32_t begin,
+                                                         uint32_t span, uint32_t topk, int32_t* out, int t) {
+  constexpr uint32_t kWindow = 32u * kHistBins;
+  constexpr int kRun = kHistBins / kWarpgroupThreads;  // words a thread
+  uint32_t* bits = plan.hist[r];
+  const uint32_t* cand_key = cand.key[r];
+  const int lane = t % 32, warp = t / 32;
+  uint32_t written = 0u;
+  for (uint32_t w0 = 0; w0 < span; w0 += kWindow) {
+    for (uint32_t i = t; i < topk; i += kWarpgroupThreads) {
+      const uint32_t rel = cand_key[i] - begin - w0;
+      if (rel < kWindow) atomicOr(&bits[rel >> 5], 1u << (rel & 31u));
+    }
+    row_sync(r);  // the window's bits set
+    uint32_t own = 0u;
+    CUTE_UNROLL
+    for (int j = 0; j < kRun; ++j) own += uint32_t(__popc(bits[t * kRun + j]));
+    uint32_t incl = own;
+    CUTE_UNROLL
+    for (int m = 1; m < 32; m <<= 1) {
+      const uint32_t o = __shfl_up_sync(0xffffffffu, incl, m);
+      if (lane >= m) incl += o;
+    }
+    if (lane == 31) plan.warp_sums[r][0][warp][0] = incl;
+    row_sync(r);
+    uint32_t pos = written + incl - own, total = 0u;
+    CUTE_UNROLL
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t x = plan.warp_sums[r][0][w][0];
+      if (w < warp) pos += x;
+      total += x;
+    }
+    for (int j = 0; j < kRun; ++j) {
+      const uint32_t word0 = begin + w0 + uint32_t(t * kRun + j) * 32u;
+      for (uint32_t b = bits[t * kRun + j]; b != 0u; b &= b - 1u) out[pos++] = int32_t(word0 + uint32_t(__ffs(b) - 1));
+    }
+    written += total;
+    row_sync(r);  // the bits and sums read
+    for (int j = 0; j < kRun; ++j) bits[t * kRun + j] = 0u;
+    row_sync(r);  // cleared before the next window's bits
+  }
+}
+
 }  // namespace indexer_topk
 }  // namespace attn_dist

@@ -94,9 +94,15 @@ CASES = [
     Case(S=200, N=4096, topk=2048, k_stride=4),
     Case(S=33, N=2047, topk=2048, causal=False),               # N = topk - 1: every key, then one -1
     Case(S=100, N=5000, topk=64, B=3, k_stride=2),
-    Case(S=24, N=20000, topk=2048, causal=False),             # more than one chunk: a GEMM pass per radix round
+    Case(S=24, N=20000, topk=2048, causal=False),             # more than one chunk: the streaming selection
     Case(S=40, N=20000, topk=512, B=2, per_batch_q_start=True),
-] + LIMIT_CASES + SHORT_ROW_CASES
+] + LIMIT_CASES + SHORT_ROW_CASES + [
+    # topk at the streaming selection's limit (segments of 512 keys), and
+    # past it (a GEMM pass per radix round, then the output pass)
+    Case(S=16, N=20000, topk=3584, causal=False),
+    Case(S=16, N=20000, topk=3600, causal=False),
+    Case(S=20, N=40000, topk=4000, B=2, per_batch_q_start=True),
+]
 
 # Where N fits one chunk and the row pairs outnumber the SMs, the kernel is
 # resident (one CTA per SM over its pairs): the 1500-row batches give each
@@ -126,6 +132,7 @@ FP8_CASES = [
     Case(S=33, N=2047, topk=2048, causal=False),
     Case(S=24, N=20000, topk=2048, causal=False),
     Case(S=40, N=20000, topk=512, B=2, per_batch_q_start=True),
+    Case(S=16, N=20000, topk=3600, causal=False),
     LIMIT_CASES[0], LIMIT_CASES[2], LIMIT_CASES[3], SHORT_ROW_CASES[0], SHORT_ROW_CASES[1],
 ]
 
@@ -331,11 +338,10 @@ def test_kernel_on_raw_row_ranges(N, topk, dtype):
     np.testing.assert_array_equal(valid_counts(logits)[0, :6], [3, topk - 1, 0, N, topk, topk + 1])
 
 
-def _check_ties_among_copies(seed_name, topk, S, dtype=jnp.bfloat16):
+def _check_ties_among_copies(seed_name, topk, S, dtype=jnp.bfloat16, N=5000):
     """2 * topk + 3 copies of one key (at most N - 1), the largest logits of
     every row: whenever the cut falls among them, the smaller copies are kept
     (float8: the copies share a key scale too)."""
-    N = 5000
     iq, ik, w, kw = make_topk_inputs(seed_of(seed_name, topk), S=S, HI=HI, DI=DI, N=N, causal=False, dtype=dtype)
     rng = np.random.default_rng(seed_of(seed_name + "-keys", topk))
     copies = np.sort(rng.choice(N, size=min(2 * topk + 3, N - 1), replace=False))
@@ -369,6 +375,39 @@ def test_logits_dominated_by_negative_heads(S, N, topk):
 @pytest.mark.parametrize("topk", [1, 64, 2048])
 def test_exact_ties_go_to_the_smaller_key(topk):
     _check_ties_among_copies("topk-gpu-ties", topk, S=48)
+
+
+@pytest.mark.parametrize("topk", [1, 64, 2048, 3600])
+def test_exact_ties_in_several_chunks(topk):
+    """The same where the keys span several chunks: the streaming selection
+    (whose candidates are in no key order: a tie at the cut goes to the
+    smaller key index, and a later copy never joins) and, at topk = 3600, the
+    multi-pass kernel's radix passes."""
+    _check_ties_among_copies("topk-gpu-ties-chunks", topk, S=8, N=20000)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("topk", [64, 2048])
+def test_streaming_monotone_logits(order, topk, dtype):
+    """Logits that rise (every key joins the candidates, which are cut back
+    after every segment) or fall (no key joins after the first topk) with the
+    key index, over several chunks: one key row for every key, its dot
+    products positive, times distinct index_k_scale values in that order."""
+    S, N = 6, 20000
+    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-monotone", order, topk, jnp.dtype(dtype).name), S=S, HI=HI,
+                                     DI=DI, N=N, causal=False, dtype=dtype, key_scale=True)
+    iq = jnp.abs(iq.astype(jnp.float32)).astype(iq.dtype)
+    ik = jnp.broadcast_to(jnp.abs(ik[:1].astype(jnp.float32)) + 0.25, ik.shape).astype(ik.dtype)
+    w = jnp.abs(w)
+    ramp = np.linspace(1.0, 2.0, N, dtype=np.float32)
+    kw = dict(kw, index_k_scale=jnp.asarray(ramp if order == "ascending" else ramp[::-1].copy()))
+    got = np.asarray(_kernel(iq, ik, w, kw, topk))
+    logits = check_selection(got, iq, ik, w, kw, topk, rtol=kernel_band(dtype))
+    want = np.arange(N - topk, N) if order == "ascending" else np.arange(topk)
+    for s in range(S):
+        np.testing.assert_array_equal(got[s, 0], want)
+        np.testing.assert_array_equal(got[s, 0], topk_oracle.exact_topk(logits[s], topk))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
