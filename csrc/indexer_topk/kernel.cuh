@@ -498,21 +498,38 @@ __device__ __forceinline__ void block_last(typename Cfg::SharedMemoryPlan& plan,
   after_block<Cfg>(plan, sink, blk, t);  // (a segment may end here and the other consumer's last block follow)
 }
 
-// A warpgroup's blocks j0 + blk, blk < blocks (block j0 + blk is this
-// warpgroup's where it is wg modulo 2: config.h, the key ring), whose keys'
-// scales start `shift` into their stage slots. The block in flight
-// alternates between acc0 and acc1; the loop is unrolled by two so that each
-// is named statically, and the last block finishes in whichever holds it.
-template <class Cfg, class TiledMma, class FragA, class FragB, class Acc, class Sink>
+// The blocks of one chunk: c.chunk_blocks(ch), whose scales start
+// scale_shift(p, c, ch) into their stage slots.
+struct ChunkBlocks {
+  const CtaProblem& c;
+  int ch;
+  __device__ __forceinline__ int count() const { return c.chunk_blocks(ch); }
+  __device__ __forceinline__ int shift(const IndexerTopkParams& p) const { return scale_shift(p, c, ch); }
+};
+// All the CTA's blocks in one run (the streaming selection).
+struct AllBlocks {
+  const CtaProblem& c;
+  __device__ __forceinline__ int count() const { return int((c.end - c.begin + kBlockKeys - 1) / kBlockKeys); }
+  __device__ __forceinline__ int shift(const IndexerTopkParams& p) const { return scale_shift(p, c, 0); }
+};
+
+// A warpgroup's blocks j0 + blk of a run (block j0 + blk is this
+// warpgroup's where it is wg modulo 2: config.h, the key ring). The block in
+// flight alternates between acc0 and acc1; the loop is unrolled by two so
+// that each is named statically, and the last block finishes in whichever
+// holds it.
+template <class Cfg, class Blocks, class TiledMma, class FragA, class FragB, class Acc, class Sink>
 __device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
-                                             TiledMma& mma, const FragA& tA, const FragB& tB, Acc& acc0, Acc& acc1,
-                                             const ColumnWeights<Cfg>& weights, int j0, int blocks, int shift, int wg,
+                                             const Blocks& run, TiledMma& mma, const FragA& tA, const FragB& tB,
+                                             Acc& acc0, Acc& acc1, const ColumnWeights<Cfg>& weights, int j0, int wg,
                                              int t, Sink& sink) {
+  const int blocks = run.count();
   int blk = (wg + j0) & 1;
   if (blk >= blocks) {
     if (sink.q_free != nullptr && t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(sink.q_free);
     return;
   }
+  const int shift = run.shift(p);
   KeyRingPos<Cfg> at = KeyRingPos<Cfg>::of(j0 + blk);
   issue_block<Cfg>(plan, mma, tA, tB, acc0, at, sink.q_buffer);
   warpgroup_commit_batch();
@@ -529,13 +546,12 @@ __device__ __forceinline__ void block_logits(typename Cfg::SharedMemoryPlan& pla
 }
 
 // A warpgroup's blocks of chunk ch.
-template <class Cfg, class TiledMma, class FragA, class FragB, class Acc, class Sink>
+template <class Cfg, class TiledMma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void chunk_logits(typename Cfg::SharedMemoryPlan& plan, const IndexerTopkParams& p,
                                              const CtaProblem& c, TiledMma& mma, const FragA& tA, const FragB& tB,
                                              Acc& acc0, Acc& acc1, const ColumnWeights<Cfg>& weights, int j0, int ch,
-                                             int wg, int t, Sink&& sink) {
-  block_logits<Cfg>(plan, p, mma, tA, tB, acc0, acc1, weights, j0, c.chunk_blocks(ch), scale_shift(p, c, ch), wg, t,
-                    sink);
+                                             int wg, int t, LogitsSink<Cfg> sink) {
+  block_logits<Cfg>(plan, p, ChunkBlocks{c, ch}, mma, tA, tB, acc0, acc1, weights, j0, wg, t, sink);
 }
 
 template <class Cfg>
@@ -599,13 +615,13 @@ __device__ __forceinline__ void consume(typename Cfg::SharedMemoryPlan& plan, co
     }
     sink.key_base = c.begin;
     sink.segment_blocks = stream_segment_keys(p.topk) / kBlockKeys;
-    sink.blocks = int((c.end - c.begin + kBlockKeys - 1) / kBlockKeys);
+    sink.blocks = AllBlocks{c}.count();
     sink.topk = uint32_t(p.topk);
     sink.wg = wg;
     auto& cand = Cfg::candidates(plan);
     if (t == 0) cand.count[wg] = 0u, cand.cut[wg] = 0u;
     consumers_sync();  // both rows' counts and cuts set
-    block_logits<Cfg>(plan, p, mma, tA, tB, acc0, acc1, weights, 0, sink.blocks, scale_shift(p, c, 0), wg, t, sink);
+    block_logits<Cfg>(plan, p, AllBlocks{c}, mma, tA, tB, acc0, acc1, weights, 0, wg, t, sink);
     consumers_sync();  // every candidate appended
     if (!me.select) return;
     if (cand.count[wg] > uint32_t(p.topk)) compact_candidates(plan, cand, wg, uint32_t(p.topk), t);

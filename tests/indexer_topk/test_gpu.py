@@ -356,7 +356,13 @@ def _check_ties_among_copies(seed_name, topk, S, dtype=jnp.bfloat16, N=5000):
     logits = check_selection(got, iq, ik, w, kw, topk, rtol=kernel_band(dtype))
     for s in range(S):
         np.testing.assert_array_equal(got[s, 0], copies[:topk])
-        np.testing.assert_array_equal(got[s, 0], topk_oracle.exact_topk(logits[s], topk))
+        # The copies' exact logits are equal; the float64 matmul's blocking
+        # may round the same dot product differently in different columns,
+        # which the exact selection would then take for an order.
+        row = logits[s].copy()
+        assert np.ptp(row[copies]) <= 1e-12 * np.abs(row[copies]).max()
+        row[copies] = row[copies[0]]
+        np.testing.assert_array_equal(got[s, 0], topk_oracle.exact_topk(row, topk))
 
 
 @pytest.mark.parametrize("S, N, topk", [(300, 3000, 256), (24, 20000, 512)], ids=["resident", "several-chunks"])

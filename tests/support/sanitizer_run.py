@@ -34,7 +34,8 @@ duplicates), rows with no valid slot and a first batch element whose first
 rows see no key, and a packed call with cu_seqlens (padding rows) and
 topk_length, checked against the float64 oracle. indexer_topk: the kernel
 (HI 64, DI 128, B 2, S 9) on N 9000 without the causal rule (more than one
-8192-key chunk per row: the multi-pass path) and N 300 causal with per-batch
+8192-key chunk per row: the multi-pass kernel, streaming at topk 64 and 2048,
+radix passes at 3600) and N 300 causal with per-batch
 q_start (rows with no key, rows with fewer keys than topk), topk 64 and
 2048, and packed calls (a sequence of more than 8192 keys, padding rows),
 and the float8 variant on one chunk and several, and on 300 pairs (the
@@ -236,9 +237,10 @@ def indexer_topk_call(topk, iq, ik, w, kw, **packing):
 def indexer_topk_checks():
     HI, DI = 64, 128
     checks = []
-    # bf16 on both paths and both topk; the float8 variant on one chunk and several
+    # bf16 on both paths and both topk; the float8 variant on one chunk and several. N 9000 with topk
+    # 64 and 2048 streams (checkpoints every 1024 keys); topk 3600 takes the radix passes instead.
     unpacked = [(N, causal, topk, "") for N, causal in ((9000, False), (300, True)) for topk in (64, 2048)]
-    unpacked += [(9000, False, 2048, "-fp8"), (300, True, 64, "-fp8")]
+    unpacked += [(9000, False, 2048, "-fp8"), (300, True, 64, "-fp8"), (9000, False, 3600, "")]
     for N, causal, topk, fp8 in unpacked:
         def case(N=N, causal=causal, topk=topk, fp8=fp8):
             # causal: the first element's rows see 0 to 6 keys (rows 0-2 none), the second's 151 to 159
