@@ -59,7 +59,8 @@ static_assert(register_budgets_fit(kResidentThreads, 1, kConsumers * kWarpgroupT
               "setmaxnreg budgets exceed the resident CTA's register allocation");
 constexpr int kBlockKeys = 64;               // keys per WGMMA block (the M of the WGMMA)
 // Keys whose logits a row holds in shared memory at once (a chunk). A row
-// pair whose keys span more runs several passes over its chunks (kernel.cuh).
+// pair whose keys span more streams its candidates in one pass, or, past
+// the streaming topk, runs several passes over its chunks (kernel.cuh).
 constexpr int kChunkKeys = 8192;
 constexpr int kLogitPad = 16;                // row stride padding: row 1's stores land 16 banks off row 0's
 constexpr int kHistBits = 11;                // radix digit of the selection

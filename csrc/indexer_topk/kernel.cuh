@@ -17,9 +17,11 @@
 // rows' ranges) are computed in chunks of kChunkKeys. One chunk (any N up to
 // 8192): one GEMM pass, whose stores also count the first radix round's
 // histogram; the later rounds run on the resident logits.
-// Several chunks: one GEMM pass per radix round (histograms only), then one
-// that writes the output; the producer learns from the consumers at each
-// pass's end whether the next one writes (kBarPass).
+// Several chunks: one GEMM pass over all of them where topk allows
+// (streams(topk), config.h: the streaming selection below); else one GEMM
+// pass per radix round (histograms only), then one that writes the output,
+// the producer learning from the consumers at each pass's end whether the
+// next one writes (kBarPass).
 #pragma once
 
 #include <cstdint>

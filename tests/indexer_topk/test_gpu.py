@@ -392,28 +392,46 @@ def test_exact_ties_in_several_chunks(topk):
     _check_ties_among_copies("topk-gpu-ties-chunks", topk, S=8, N=20000)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("order", ["ascending", "descending"])
-@pytest.mark.parametrize("topk", [64, 2048])
-def test_streaming_monotone_logits(order, topk, dtype):
-    """Logits that rise (every key joins the candidates, which are cut back
-    after every segment) or fall (no key joins after the first topk) with the
-    key index, over several chunks: one key row for every key, its dot
-    products positive, times distinct index_k_scale values in that order."""
-    S, N = 6, 20000
-    iq, ik, w, kw = make_topk_inputs(seed_of("topk-gpu-monotone", order, topk, jnp.dtype(dtype).name), S=S, HI=HI,
-                                     DI=DI, N=N, causal=False, dtype=dtype, key_scale=True)
+def _check_ramp_logits(order, topk, dtype, *, S, N):
+    """One key row for every key, its dot products positive, times distinct
+    index_k_scale values from a ramp: logits distinct and in the ramp's
+    order, so that the selection is known exactly (the keys of the topk
+    largest scales)."""
+    name = ("topk-gpu-ramp", order, topk, N, jnp.dtype(dtype).name)
+    iq, ik, w, kw = make_topk_inputs(seed_of(*name), S=S, HI=HI, DI=DI, N=N, causal=False, dtype=dtype,
+                                     key_scale=True)
     iq = jnp.abs(iq.astype(jnp.float32)).astype(iq.dtype)
     ik = jnp.broadcast_to(jnp.abs(ik[:1].astype(jnp.float32)) + 0.25, ik.shape).astype(ik.dtype)
     w = jnp.abs(w)
     ramp = np.linspace(1.0, 2.0, N, dtype=np.float32)
-    kw = dict(kw, index_k_scale=jnp.asarray(ramp if order == "ascending" else ramp[::-1].copy()))
+    scales = {"ascending": ramp, "descending": ramp[::-1].copy(),
+              "shuffled": np.random.default_rng(seed_of(*name, "perm")).permutation(ramp)}[order]
+    kw = dict(kw, index_k_scale=jnp.asarray(scales))
     got = np.asarray(_kernel(iq, ik, w, kw, topk))
     logits = check_selection(got, iq, ik, w, kw, topk, rtol=kernel_band(dtype))
-    want = np.arange(N - topk, N) if order == "ascending" else np.arange(topk)
+    want = np.sort(np.argsort(-scales, kind="stable")[:topk])
     for s in range(S):
         np.testing.assert_array_equal(got[s, 0], want)
         np.testing.assert_array_equal(got[s, 0], topk_oracle.exact_topk(logits[s], topk))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
+@pytest.mark.parametrize("topk", [64, 2048, 3584])
+def test_streaming_ramp_logits(order, topk, dtype):
+    """Distinct logits over several chunks, checked exactly: rising with the
+    key index (every key joins the candidates, cut back whenever they could
+    overflow: at topk 3584 after every 512-key segment, the buffer then
+    full), falling (after the first cut-back no key joins) and in a random
+    order (keys joining and refused just above and below the cut)."""
+    _check_ramp_logits(order, topk, dtype, S=6, N=20000)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_streaming_rows_past_one_bitmap_window(dtype):
+    """Rows of 70000 keys: the output is written from a bitmap of 65536 keys
+    at a time, here two windows."""
+    _check_ramp_logits("shuffled", 2048, dtype, S=4, N=70000)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
@@ -425,8 +443,12 @@ def test_resident_exact_ties(topk, dtype):
     _check_ties_among_copies(name, topk, S=600, dtype=dtype)
 
 
-def test_deterministic():
-    case = Case(S=300, N=5000, topk=2048, B=2, per_batch_q_start=True)
+@pytest.mark.parametrize("case", [Case(S=300, N=5000, topk=2048, B=2, per_batch_q_start=True),
+                                  Case(S=24, N=20000, topk=2048, causal=False)],
+                         ids=["one-chunk", "streaming"])
+def test_deterministic(case):
+    """The same bits in every run (streaming: candidates appended in an
+    order that varies from run to run)."""
     iq, ik, w, kw = _inputs(case)
     first = np.asarray(_kernel(iq, ik, w, kw, case.topk))
     for _ in range(2):
