@@ -168,6 +168,39 @@ __device__ __forceinline__ void for_each_segment_key(const uint32_t* u, int lo, 
   for (; i < hi; ++i) f(u[i], i);
 }
 
+// x summed over the warp's lanes up to this one.
+__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t x, int lane) {
+  CUTE_UNROLL
+  for (int m = 1; m < 32; m <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, x, m);
+    if (lane >= m) x += o;
+  }
+  return x;
+}
+
+// A count per thread of warpgroup r, scanned: base plus the counts of the
+// threads before it, and the total of all 128 (one barrier; sums: the warps'
+// totals, which a caller calling again before another barrier
+// double-buffers).
+struct WarpgroupScan {
+  uint32_t before, total;
+};
+__device__ __forceinline__ WarpgroupScan warpgroup_scan(uint32_t own, uint32_t (&sums)[4][2], int r, int t,
+                                                        uint32_t base = 0u) {
+  const int lane = t % 32, warp = t / 32;
+  const uint32_t incl = warp_inclusive_sum(own, lane);
+  if (lane == 31) sums[warp][0] = incl;
+  row_sync(r);
+  uint32_t before = base + incl - own, total = 0;
+  CUTE_UNROLL
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t x = sums[w][0];
+    if (w < warp) before += x;
+    total += x;
+  }
+  return {before, total};
+}
+
 // After a round's hist_add calls: the digit of the cut, and the histogram
 // cleared for the next round.
 template <class Plan>
@@ -187,12 +220,7 @@ __device__ __forceinline__ void hist_resolve(Plan& plan, RowSelect& s, int r, in
     if (j < bins) own += hist[bins - 1 - j];
   }
   const int lane = t % 32, warp = t / 32;
-  uint32_t incl = own;
-  CUTE_UNROLL
-  for (int m = 1; m < 32; m <<= 1) {
-    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, m);
-    if (lane >= m) incl += o;
-  }
+  const uint32_t incl = warp_inclusive_sum(own, lane);
   if (lane == 31) plan.warp_sums[r][0][warp][0] = incl;
   row_sync(r);
   uint32_t excl = incl - own;
@@ -233,7 +261,6 @@ __device__ __forceinline__ void emit_keys(Plan& plan, const uint32_t* u, int a, 
   // exact cut, of which the first `need` in key order are taken.
   const bool take_prefix = s.need == s.count;
   const uint32_t prefix = s.prefix;
-  const int lane = t % 32, warp = t / 32;
   const int len = ((e - a + kWarpgroupThreads - 1) / kWarpgroupThreads) | 1;
   const int lo = min(a + t * len, e), hi = min(lo + len, e);
   // Both counts in one word, above in the high half: a call sees at most
@@ -244,25 +271,10 @@ __device__ __forceinline__ void emit_keys(Plan& plan, const uint32_t* u, int a, 
   for_each_segment_key(u, lo, hi, [&](uint32_t v, int) {
     own += (v > prefix ? 1u << 16 : 0u) + (v == prefix ? equal_count : 0u);
   });
-  uint32_t incl = own;
-  CUTE_UNROLL
-  for (int m = 1; m < 32; m <<= 1) {
-    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, m);
-    if (lane >= m) incl += o;
-  }
-  uint32_t(&sums)[4][2] = plan.warp_sums[r][cur.parity];
-  if (lane == 31) sums[warp][0] = incl;
-  row_sync(r);
-  uint32_t before = incl - own, total = 0;
-  CUTE_UNROLL
-  for (int w = 0; w < 4; ++w) {
-    const uint32_t x = sums[w][0];
-    if (w < warp) before += x;
-    total += x;
-  }
-  uint32_t above_before = cur.above + (before >> 16), equal_before = cur.equal + (before & 0xFFFFu);
-  cur.above += total >> 16;
-  cur.equal += total & 0xFFFFu;
+  const WarpgroupScan scan = warpgroup_scan(own, plan.warp_sums[r][cur.parity], r, t);
+  uint32_t above_before = cur.above + (scan.before >> 16), equal_before = cur.equal + (scan.before & 0xFFFFu);
+  cur.above += scan.total >> 16;
+  cur.equal += scan.total & 0xFFFFu;
   cur.parity ^= 1;  // the other buffer next call: one barrier per call suffices
   // The segment's taken keys go to consecutive positions from its first;
   // ties_left: the ties it may still take (all, where the prefix is taken).
@@ -382,7 +394,6 @@ __device__ __forceinline__ void emit_candidates_in_order(Plan& plan, const Candi
   constexpr int kRun = kHistBins / kWarpgroupThreads;  // words a thread
   uint32_t* bits = plan.hist[r];
   const uint32_t* cand_key = cand.key[r];
-  const int lane = t % 32, warp = t / 32;
   uint32_t written = 0u;
   for (uint32_t w0 = 0; w0 < span; w0 += kWindow) {
     for (uint32_t i = t; i < topk; i += kWarpgroupThreads) {
@@ -393,26 +404,13 @@ __device__ __forceinline__ void emit_candidates_in_order(Plan& plan, const Candi
     uint32_t own = 0u;
     CUTE_UNROLL
     for (int j = 0; j < kRun; ++j) own += uint32_t(__popc(bits[t * kRun + j]));
-    uint32_t incl = own;
-    CUTE_UNROLL
-    for (int m = 1; m < 32; m <<= 1) {
-      const uint32_t o = __shfl_up_sync(0xffffffffu, incl, m);
-      if (lane >= m) incl += o;
-    }
-    if (lane == 31) plan.warp_sums[r][0][warp][0] = incl;
-    row_sync(r);
-    uint32_t pos = written + incl - own, total = 0u;
-    CUTE_UNROLL
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t x = plan.warp_sums[r][0][w][0];
-      if (w < warp) pos += x;
-      total += x;
-    }
+    const WarpgroupScan scan = warpgroup_scan(own, plan.warp_sums[r][0], r, t, written);
+    uint32_t pos = scan.before;
     for (int j = 0; j < kRun; ++j) {
       const uint32_t word0 = begin + w0 + uint32_t(t * kRun + j) * 32u;
       for (uint32_t b = bits[t * kRun + j]; b != 0u; b &= b - 1u) out[pos++] = int32_t(word0 + uint32_t(__ffs(b) - 1));
     }
-    written += total;
+    written += scan.total;
     row_sync(r);  // the bits and sums read
     for (int j = 0; j < kRun; ++j) bits[t * kRun + j] = 0u;
     row_sync(r);  // cleared before the next window's bits
