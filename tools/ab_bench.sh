@@ -12,14 +12,15 @@
 # Every side runs this checkout's benchmarks/bench.py (one harness, so only the
 # package differs); a shape an older package cannot serve fails its side.
 # Writes $OUT/ab.json (every round's rows, every side); the comparison is printed.
-# Checks of this checkout in the same call, run after the builds and before the
-# rounds (this checkout is then built first, by tools/gpu_check.sh's build step
+# Checks of this checkout in the same call, run after the rounds and their
+# comparison, so that a call its time limit cuts short still has the timings
+# (this checkout is then built first, by tools/gpu_check.sh's build step
 # with its test-only FFI targets and build-id check, alone: that step reinstalls
 # the CUTLASS wheel the other builds read; and timed from that install):
 #   TESTS="tests/sparse_mla/test_gpu.py -k negative"  one pytest run (--run-large,
 #                                                     JAX_ATTN_DIST_REQUIRE_GPU=1): $OUT/tests.log
 #   CHECKS="sanitize-bwd sanitize-new"                tools/gpu_check.sh steps: $OUT/checks/
-# A failed check is printed and makes the exit status 2; the rounds still run.
+# A failed check is printed and makes the exit status 2.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 ROUNDS=${ROUNDS:-2}
@@ -61,16 +62,6 @@ side_path() {  # the side's package ahead of the CUTLASS wheel (this checkout's 
   if [ "$1" = "$last" ] && [ -n "$checks" ]; then echo /tmp/site; else echo "/tmp/ab/side$1:/tmp/site"; fi
 }
 status=0
-if [ -n "${TESTS:-}" ]; then
-  # shellcheck disable=SC2086  # TESTS is a pytest argument list
-  JAX_ATTN_DIST_REQUIRE_GPU=1 PYTHONPATH=/tmp/site timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -rfEs $TESTS \
-    --run-large -p no:cacheprovider > "$OUT/tests.log" 2>&1 || status=2
-  echo "tests: $(tail -n 1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log"
-fi
-if [ -n "${CHECKS:-}" ]; then
-  # shellcheck disable=SC2086  # CHECKS is a list of gpu_check.sh steps
-  OUT=$OUT/checks bash tools/gpu_check.sh $CHECKS | sed -n '/^== summary/,$p' || status=2
-fi
 bench_dir=$PWD/benchmarks
 for ((r = 1; r <= ROUNDS; r++)); do
   for i in "${!labels[@]}"; do
@@ -102,5 +93,14 @@ for r in range(1, rounds + 1):
                     cells.append(f"{label} {row[key]:9.3f} ({row[key] / base[key] - 1:+.1%})")
             print(f"  {base['name']:<18}{key:<22}{first} " + "  ".join(cells))
 PY
-
+if [ -n "${TESTS:-}" ]; then
+  # shellcheck disable=SC2086  # TESTS is a pytest argument list
+  JAX_ATTN_DIST_REQUIRE_GPU=1 PYTHONPATH=/tmp/site timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -rfEs $TESTS \
+    --run-large -p no:cacheprovider > "$OUT/tests.log" 2>&1 || status=2
+  echo "tests: $(tail -n 1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log"
+fi
+if [ -n "${CHECKS:-}" ]; then
+  # shellcheck disable=SC2086  # CHECKS is a list of gpu_check.sh steps
+  OUT=$OUT/checks bash tools/gpu_check.sh $CHECKS | sed -n '/^== summary/,$p' || status=2
+fi
 exit $status
