@@ -219,6 +219,9 @@ __device__ __forceinline__ void hist_resolve(Plan& plan, RowSelect& s, int r, in
     const int j = t * per + ((k + t + (t >> 4)) & (per - 1));
     if (j < bins) own += hist[bins - 1 - j];
   }
+  // warpgroup_scan's steps, but only the warps before this one summed: with
+  // warpgroup_scan (all four read, and the total) the multi-pass kernels
+  // spill 12 bytes (ptxas).
   const int lane = t % 32, warp = t / 32;
   const uint32_t incl = warp_inclusive_sum(own, lane);
   if (lane == 31) plan.warp_sums[r][0][warp][0] = incl;
