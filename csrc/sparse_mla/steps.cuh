@@ -162,9 +162,11 @@ struct ConsumerState {
 using cutlass::arch::NamedBarrier;
 
 // The pair's reference is known (and O rescaled to it): turn this block's
-// scores into P (relative to it), issue O[:, half] += P . V of the block
-// from registers (committed, not waited for: the caller's first wait), then
-// publish P in its shared tile for the other consumer.
+// scores into P (relative to it), store P in its shared tile for the other
+// consumer, issue O[:, half] += P . V of the block from registers (committed,
+// not waited for: the caller's first wait), then publish the tile. The
+// stores read the A fragment before the product's issue: from then until a
+// wait covers it, PTX leaves any access to the fragment's registers undefined.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void publish_p_and_issue_own_pv(typename Cfg::SharedMemoryPlan& plan,
                                                            ConsumerState<Cfg>& st, Acc& accS, const float (&ref)[2],
@@ -188,6 +190,8 @@ __device__ __forceinline__ void publish_p_and_issue_own_pv(typename Cfg::SharedM
     tPr(i + 1) = bf16::bitcast(__bfloat16_as_ushort(v.y));
   }
   Tensor tV = thr.partition_fragment_B(sV);
+  const int warp = thread / 32, lane = thread % 32;
+  store_acc_tile(p_tile<Cfg>(plan, buffer), tPr, 16 * warp + lane / 4, lane);  // a SmemLayoutP tile
   warpgroup_fence_operand(tPr);
   warpgroup_fence_operand(st.accO);
   warpgroup_arrive();
@@ -196,8 +200,6 @@ __device__ __forceinline__ void publish_p_and_issue_own_pv(typename Cfg::SharedM
   warpgroup_commit_batch();
   warpgroup_fence_operand(st.accO);
   warpgroup_fence_operand(tPr);
-  const int warp = thread / 32, lane = thread % 32;
-  store_acc_tile(p_tile<Cfg>(plan, buffer), tPr, 16 * warp + lane / 4, lane);  // a SmemLayoutP tile
   cutlass::arch::fence_view_async_shared();  // the other consumer's WGMMAs read P through the async proxy
   NamedBarrier::arrive(kPairThreads, ready_barrier);
 }
