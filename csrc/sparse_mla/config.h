@@ -10,8 +10,8 @@
 //   so each dim tile is released on its own as soon as its readers are done.
 //   WG0 computes S = Q.K^T of the even blocks, WG1 of the odd ones; each
 //   consumer owns half of the output dims (WG0: 0..255, WG1: 256..511) and
-//   multiplies every block's P into its half: its own block's from
-//   registers, the other's from its shared tile. The softmax's reference (steps.cuh) is exchanged through shared memory once per
+//   multiplies every block's P into its half, both P tiles from shared
+//   memory. The softmax's reference (steps.cuh) is exchanged through shared memory once per
 //   block pair, so both halves share one softmax.
 //   WG2 gathers the key rows (all 128 threads, both buffers by half blocks)
 //   and loads Q by TMA.
@@ -54,6 +54,8 @@ enum Barrier : uint32_t {
   kOddPReady = 3,       // WG1 wrote its P to shared memory
   kRowSumsReady = 4,    // both published their row sums; Q is no longer read
   kOutputStaged = 5,    // the output tile is in shared memory
+  kEvenPStored = 6,     // WG0 (alone): all its threads wrote P
+  kOddPStored = 7,      // WG1 (alone): all its threads wrote P
 };
 constexpr uint32_t kPairThreads = kNumConsumers * kWarpgroupThreads;
 
@@ -121,12 +123,6 @@ struct FwdConfig {
                                        cute::GMMA::Major::K, cute::GMMA::Major::K>()));
   using MmaPV = decltype(cute::make_tiled_mma(
       cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
-                                       cute::Shape<cute::Int<HT>, cute::Int<kDvPerConsumer>, cute::Int<kBlockTopk>>,
-                                       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
-  // The same product with P from registers: a consumer's own block, whose
-  // score accumulator is, in its C layout's element order, the A operand.
-  using MmaPVRegs = decltype(cute::make_tiled_mma(
-      cute::SM90::GMMA::rs_op_selector<bf16, bf16, float,
                                        cute::Shape<cute::Int<HT>, cute::Int<kDvPerConsumer>, cute::Int<kBlockTopk>>,
                                        cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include <cuda_bf16.h>
 
@@ -64,8 +63,7 @@ __device__ __forceinline__ void for_each_acc_element(int lane, F&& f) {
       for (int e = 0; e < 2; ++e) f(4 * j + 2 * rh + e, rh, 8 * j + 2 * (lane % 4) + e);
 }
 
-// A 64 x 64 f32 accumulator (or the bf16 A fragment in its element order)
-// as bf16 pairs into `tile` (64 x 64, K-major
+// A 64 x 64 f32 accumulator as bf16 pairs into `tile` (64 x 64, K-major
 // with the 128-byte swizzle, 1024-byte aligned: a SmemLayoutTile/SmemLayoutP
 // operand tile). The thread holds rows row0 (= 16 warp + lane / 4) and
 // row0 + 8, columns 8j + 2 (lane % 4) (+1). The swizzle (Swizzle<3,4,3>)
@@ -85,13 +83,8 @@ __device__ __forceinline__ void store_acc_tile(bf16* tile, const Acc& acc, int r
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
       const int i = 4 * j + 2 * rh;
-      if constexpr (std::is_same_v<typename Acc::value_type, float>) {
-        const __nv_bfloat162 v = __floats2bfloat162_rn(acc(i), acc(i + 1));
-        cutlass::arch::shared_store<4>(at + uint32_t(rh) * 8u * 128u, &v);
-      } else {  // already bf16 (an A fragment in the accumulator's element order)
-        const uint32_t v = uint32_t(acc(i).raw()) | uint32_t(acc(i + 1).raw()) << 16;
-        cutlass::arch::shared_store<4>(at + uint32_t(rh) * 8u * 128u, &v);
-      }
+      const __nv_bfloat162 v = __floats2bfloat162_rn(acc(i), acc(i + 1));
+      cutlass::arch::shared_store<4>(at + uint32_t(rh) * 8u * 128u, &v);
     }
   }
 }

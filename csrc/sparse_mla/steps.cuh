@@ -162,46 +162,16 @@ struct ConsumerState {
 using cutlass::arch::NamedBarrier;
 
 // The pair's reference is known (and O rescaled to it): turn this block's
-// scores into P (relative to it), store P in its shared tile for the other
-// consumer, issue O[:, half] += P . V of the block from registers (committed,
-// not waited for: the caller's first wait), then publish the tile. The
-// stores read the A fragment before the product's issue: from then until a
-// wait covers it, PTX leaves any access to the fragment's registers undefined.
+// scores into P (relative to it) and publish P for both consumers.
 template <class Cfg, class Acc>
-__device__ __forceinline__ void publish_p_and_issue_own_pv(typename Cfg::SharedMemoryPlan& plan,
-                                                           ConsumerState<Cfg>& st, Acc& accS, const float (&ref)[2],
-                                                           float scale_log2, int buffer, uint32_t ready_barrier,
-                                                           int thread) {
+__device__ __forceinline__ void publish_p(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
+                                          Acc& accS, const float (&ref)[2], float scale_log2, int buffer,
+                                          uint32_t stored_barrier, uint32_t ready_barrier, int warp, int lane) {
   exponentiate(accS, ref, scale_log2, st.row_sum);
-  typename Cfg::MmaPVRegs mma;
-  auto thr = mma.get_slice(thread);
-  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
-  const int consumer = buffer;  // its own block: WG0 the even one, WG1 the odd one
-  Tensor sV = make_tensor(make_smem_ptr(plan.kv[buffer] + consumer * kVTilesPerConsumer * kBlockTopk * kDimTile),
-                          typename Cfg::SmemLayoutV{});
-  // The A fragment's element i is accS's element i (the 64 x 64 C layout
-  // read as four 64 x 16 A blocks): P rounded to bf16 as its tile stores it.
-  Tensor tPr = thr.partition_fragment_A(sP);
-  static_assert(decltype(size(tPr))::value == decltype(size(accS))::value, "P's A fragment is its accumulator");
-  CUTE_UNROLL
-  for (int i = 0; i < size(accS); i += 2) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(accS(i), accS(i + 1));
-    tPr(i) = bf16::bitcast(__bfloat16_as_ushort(v.x));
-    tPr(i + 1) = bf16::bitcast(__bfloat16_as_ushort(v.y));
-  }
-  Tensor tV = thr.partition_fragment_B(sV);
-  const int warp = thread / 32, lane = thread % 32;
-  store_acc_tile(p_tile<Cfg>(plan, buffer), tPr, 16 * warp + lane / 4, lane);  // a SmemLayoutP tile
-  warpgroup_fence_operand(tPr);
-  warpgroup_fence_operand(st.accO);
-  warpgroup_arrive();
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(tPr); ++kb) cute::gemm(mma, tPr(_, _, kb), tV(_, _, kb), st.accO);
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(st.accO);
-  warpgroup_fence_operand(tPr);
-  cutlass::arch::fence_view_async_shared();  // the other consumer's WGMMAs read P through the async proxy
-  NamedBarrier::arrive(kPairThreads, ready_barrier);
+  store_acc_tile(p_tile<Cfg>(plan, buffer), accS, 16 * warp + lane / 4, lane);  // a SmemLayoutP tile
+  cutlass::arch::fence_view_async_shared();  // WGMMAs read P through the async proxy
+  NamedBarrier::arrive(kPairThreads, ready_barrier);          // for the other consumer
+  NamedBarrier::sync(kWarpgroupThreads, stored_barrier);     // for this one's own WGMMA
 }
 
 // The reference moves to `ref` (the same in both consumers): O and the row
