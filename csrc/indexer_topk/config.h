@@ -202,7 +202,7 @@ struct Config {
     uint64_t q_free[kQBuffers];               // resident: both consumers' WGMMAs of its pair done (8 warps)
     uint64_t logits_full[kLogitBuffers];      // resident: a buffer's logits stored (the 256 consumer threads)
     uint64_t logits_free[kLogitBuffers];      // resident: the selector is done with a buffer (one arrival)
-    uint32_t warp_sums[kHistRows][2][4][2];   // per row: two buffers of each warp's pair of counts
+    uint32_t warp_sums[kHistRows][2][4][2];   // per row: two buffers of each warp's count ([..][0]; [..][1] unused)
     uint32_t found[kHistRows][3];             // per row: a radix round's bin, count above it, count in it
     int next_pass_emits;                      // multi-pass: the next pass writes the output
     int row_done[kRows];
