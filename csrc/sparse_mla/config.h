@@ -10,8 +10,8 @@
 //   so each dim tile is released on its own as soon as its readers are done.
 //   WG0 computes S = Q.K^T of the even blocks, WG1 of the odd ones; each
 //   consumer owns half of the output dims (WG0: 0..255, WG1: 256..511) and
-//   multiplies every block's P into its half, both P tiles from shared
-//   memory. The softmax's reference (steps.cuh) is exchanged through shared memory once per
+//   multiplies every block's P into its half: its own block's from
+//   registers, the other's from its shared tile. The softmax's reference (steps.cuh) is exchanged through shared memory once per
 //   block pair, so both halves share one softmax.
 //   WG2 gathers the key rows (all 128 threads, both buffers by half blocks)
 //   and loads Q by TMA.
@@ -54,8 +54,6 @@ enum Barrier : uint32_t {
   kOddPReady = 3,       // WG1 wrote its P to shared memory
   kRowSumsReady = 4,    // both published their row sums; Q is no longer read
   kOutputStaged = 5,    // the output tile is in shared memory
-  kEvenPStored = 6,     // WG0 (alone): all its threads wrote P
-  kOddPStored = 7,      // WG1 (alone): all its threads wrote P
 };
 constexpr uint32_t kPairThreads = kNumConsumers * kWarpgroupThreads;
 
@@ -125,6 +123,12 @@ struct FwdConfig {
       cute::SM90::GMMA::ss_op_selector<bf16, bf16, float,
                                        cute::Shape<cute::Int<HT>, cute::Int<kDvPerConsumer>, cute::Int<kBlockTopk>>,
                                        cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  // The same product with P from registers: a consumer's own block, whose
+  // score accumulator is, in its C layout's element order, the A operand.
+  using MmaPVRegs = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::rs_op_selector<bf16, bf16, float,
+                                       cute::Shape<cute::Int<HT>, cute::Int<kDvPerConsumer>, cute::Int<kBlockTopk>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 
   struct SharedMemoryPlan {
     alignas(kSmemAlign) bf16 q[cute::cosize_v<SmemLayoutQ>];
@@ -145,7 +149,7 @@ struct FwdConfig {
   // blocks' (WG0 computes S), buffer 1 the odd ones' (WG1). Dim tiles
   // 0..3 are WG0's value half, 4..7 WG1's.
   static __device__ __forceinline__ int stage_readers(int buffer, int dim_tile) {
-    // Buffer 0's rope tile: S0's warpgroup, and both read P0 there; buffer 1's: S1 alone.
+    // Buffer 0's rope tile: S0's warpgroup, and WG1's P0 . V1 reads P0 there; buffer 1's: S1 alone.
     if (dim_tile >= kDv / kDimTile) return buffer == 0 ? 2 : 1;
     const int value_owner = dim_tile / kVTilesPerConsumer;
     return value_owner == buffer ? 1 : 2;

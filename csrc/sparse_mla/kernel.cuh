@@ -6,7 +6,8 @@
 //   WG1: S1 = Q.K1^T; m1 = max(m0, row max of S1); publish the reference r'
 //        (r, or m1 where m1 passes r by more than kRescaleThreshold).
 //   Both: rescale O and the row sums from r to r' (where it moved); P =
-//        exp2(S - r') as bf16 into the block's shared P tile;
+//        exp2(S - r') as bf16: its own block's P . V from registers, and P
+//        into the block's shared P tile for the other;
 //   WG0: O[:, 0:256] += P0 . V0 + P1 . V1;  WG1: O[:, 256:512] += P1 . V1 + P0 . V0.
 // Both end with the same reference; their row sums add up to the softmax
 // denominator, and each stores its half of the output.
@@ -45,8 +46,8 @@ enum ConsumerMark : int {
   kMarkScoresDone,       // its block's scores completed
   kMarkMaxExchanged,     // WG0: its max published; WG1: WG0's received
   kMarkReference,        // WG0: the pair's reference received; WG1: published
-  kMarkPPublished,       // its P stored and published
-  kMarkOwnPvIssued,      // the P.V of its own block issued
+  kMarkOwnPvIssued,      // its P stored, the P.V of its own block issued
+  kMarkPPublished,       // its P published
   kMarkOtherPReady,      // the other consumer's P ready
   kMarkOtherLanded,      // the other block's value half landed
   kMarkOtherPvIssued,    // the other block's P.V issued
@@ -100,10 +101,11 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) reference[rh] = plan.reference_of_pair[phase][row0 + 8 * rh];
     rescale_to(st, reference);
-    publish_p(plan, st, accS, reference, p.scale_log2, 0, kEvenPStored, kEvenPReady, warp, lane);
-    mark(kMarkPPublished);
-    issue_pv<Cfg>(plan, 0, 0, st.accO, thread);
+    auto tP = own_p<Cfg>(plan, st, accS, reference, p.scale_log2, 0, thread);
+    issue_own_pv<Cfg>(plan, st, tP, 0, thread);
     mark(kMarkOwnPvIssued);
+    publish_p(kEvenPReady);
+    mark(kMarkPPublished);
     if (has_odd) {
       NamedBarrier::sync(kPairThreads, kOddPReady);
       mark(kMarkOtherPReady);
@@ -169,10 +171,11 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     mark(kMarkReference);
     rescale_to(st, reference);
     if (has_odd) {
-      publish_p(plan, st, accS, reference, p.scale_log2, 1, kOddPStored, kOddPReady, warp, lane);
-      mark(kMarkPPublished);
-      issue_pv<Cfg>(plan, 1, 1, st.accO, thread);
+      auto tP = own_p<Cfg>(plan, st, accS, reference, p.scale_log2, 1, thread);
+      issue_own_pv<Cfg>(plan, st, tP, 1, thread);
       mark(kMarkOwnPvIssued);
+      publish_p(kOddPReady);
+      mark(kMarkPPublished);
     }
     NamedBarrier::sync(kPairThreads, kEvenPReady);
     mark(kMarkOtherPReady);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 
@@ -48,8 +49,9 @@ __device__ __forceinline__ void release(typename Cfg::SharedMemoryPlan& plan, in
 }
 
 // After a P.V: this warpgroup's value half of `buffer` (tiles first_tile ..
-// + 3) has been read, and so has the even block's P where it lives in
-// buffer 0's rope stage.
+// + 3) has been read, and this warpgroup is done with the even block's P
+// where it lives in buffer 0's rope stage (WG0 wrote it, WG1's P0 . V1 read
+// it).
 template <class Cfg>
 __device__ __forceinline__ void release_after_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
                                                  int lane) {
@@ -129,24 +131,30 @@ __device__ __forceinline__ void rescale_rows(Acc& acc, const float (&factor)[2])
   for (int i = 0; i < size(acc); ++i) acc(i) *= factor[(i >> 1) & 1];
 }
 
-// O[:, half] += P . V over one block: P (64 heads x 64 keys) from its shared
-// tile, V from this consumer's four value tiles of `buffer`.
-template <class Cfg, class AccO>
-__device__ __forceinline__ void issue_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int consumer,
-                                         AccO& accO, int thread) {
-  typename Cfg::MmaPV mma;
-  auto thr = mma.get_slice(thread);
-  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
+// O[:, half] += P . V over one block (issued and committed, not waited
+// for), V from this consumer's four value tiles of `buffer`; tP is P's A
+// operand: of its shared tile (SS) or in registers (RS).
+template <class Cfg, class TiledMma, class FragP, class AccO>
+__device__ __forceinline__ void pv_product(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragP& tP,
+                                           int buffer, int consumer, AccO& accO, int thread) {
   Tensor sV = make_tensor(make_smem_ptr(plan.kv[buffer] + consumer * kVTilesPerConsumer * kBlockTopk * kDimTile),
                           typename Cfg::SmemLayoutV{});
-  Tensor tP = thr.partition_fragment_A(sP);
-  Tensor tV = thr.partition_fragment_B(sV);
+  Tensor tV = mma.get_slice(thread).partition_fragment_B(sV);
   warpgroup_fence_operand(accO);
   warpgroup_arrive();
   CUTE_UNROLL
   for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma, tP(_, _, kb), tV(_, _, kb), accO);
   warpgroup_commit_batch();
   warpgroup_fence_operand(accO);
+}
+
+// The same with P from its shared tile (the other consumer's block).
+template <class Cfg, class AccO>
+__device__ __forceinline__ void issue_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int consumer,
+                                         AccO& accO, int thread) {
+  typename Cfg::MmaPV mma;
+  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
+  pv_product<Cfg>(plan, mma, mma.get_slice(thread).partition_fragment_A(sP), buffer, consumer, accO, thread);
 }
 
 // What a consumer ends with: its output half, row max and row-sum share.
@@ -161,17 +169,51 @@ struct ConsumerState {
 
 using cutlass::arch::NamedBarrier;
 
-// The pair's reference is known (and O rescaled to it): turn this block's
-// scores into P (relative to it) and publish P for both consumers.
+// The pair's reference is known (and O rescaled to it): this consumer's own
+// block's scores become P (relative to it), stored in the block's P tile for
+// the other consumer and returned as the A operand of the own block's P . V
+// from registers (RS WGMMA): element i of the fragment is the score
+// accumulator's element i (the 64 x 64 C layout read as four 64 x 16 A
+// blocks: GMMA's A layout for 64 x 16 is its C layout), rounded to bf16 as
+// the tile holds it. The tile is written first, so that nothing reads the
+// fragment's registers between the product's issue and its wait (PTX leaves
+// that undefined).
 template <class Cfg, class Acc>
-__device__ __forceinline__ void publish_p(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
-                                          Acc& accS, const float (&ref)[2], float scale_log2, int buffer,
-                                          uint32_t stored_barrier, uint32_t ready_barrier, int warp, int lane) {
+__device__ __forceinline__ auto own_p(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st, Acc& accS,
+                                      const float (&ref)[2], float scale_log2, int buffer, int thread) {
   exponentiate(accS, ref, scale_log2, st.row_sum);
+  const int warp = thread / 32, lane = thread % 32;
   store_acc_tile(p_tile<Cfg>(plan, buffer), accS, 16 * warp + lane / 4, lane);  // a SmemLayoutP tile
-  cutlass::arch::fence_view_async_shared();  // WGMMAs read P through the async proxy
-  NamedBarrier::arrive(kPairThreads, ready_barrier);          // for the other consumer
-  NamedBarrier::sync(kWarpgroupThreads, stored_barrier);     // for this one's own WGMMA
+  using MmaPVRegs = typename Cfg::MmaPVRegs;
+  static_assert(std::is_same_v<typename MmaPVRegs::Atom::Traits::ALayout, GMMA::CLayout_64x16>,
+                "the RS A fragment of a 64 x 16 block is laid out as its accumulator");
+  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
+  Tensor tP = MmaPVRegs{}.get_slice(thread).partition_fragment_A(sP);  // (its shape; registers)
+  static_assert(decltype(size(tP))::value == decltype(size(accS))::value, "P's A fragment is its accumulator");
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); i += 2) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(accS(i), accS(i + 1));
+    tP(i) = bf16::bitcast(__bfloat16_as_ushort(v.x));
+    tP(i + 1) = bf16::bitcast(__bfloat16_as_ushort(v.y));
+  }
+  return tP;
+}
+
+// O[:, half] += P . V of the consumer's own block from registers (the
+// fragment own_p returned; committed, not waited for: the caller's first wait).
+template <class Cfg, class FragP>
+__device__ __forceinline__ void issue_own_pv(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
+                                             FragP& tP, int buffer, int thread) {
+  typename Cfg::MmaPVRegs mma;
+  warpgroup_fence_operand(tP);
+  pv_product<Cfg>(plan, mma, tP, buffer, /*consumer=*/buffer, st.accO, thread);
+  warpgroup_fence_operand(tP);
+}
+
+// The block's P tile (own_p's stores) published for the other consumer.
+__device__ __forceinline__ void publish_p(uint32_t ready_barrier) {
+  cutlass::arch::fence_view_async_shared();  // the other consumer's WGMMAs read P through the async proxy
+  NamedBarrier::arrive(kPairThreads, ready_barrier);
 }
 
 // The reference moves to `ref` (the same in both consumers): O and the row
