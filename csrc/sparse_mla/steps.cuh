@@ -1,6 +1,7 @@
 // The sparse MLA forward's consumer steps (the loop that calls them:
-// kernel.cuh): the scores' WGMMAs, the running-max softmax, P through
-// shared memory and the P.V WGMMAs, and the stages' release.
+// kernel.cuh): the scores' WGMMAs, the running-max softmax, P (a consumer's
+// own from registers, the other's through shared memory) and the P.V
+// WGMMAs, and the stages' release.
 #pragma once
 
 #include <cstdint>
