@@ -46,8 +46,8 @@ enum ConsumerMark : int {
   kMarkScoresDone,       // its block's scores completed
   kMarkMaxExchanged,     // WG0: its max published; WG1: WG0's received
   kMarkReference,        // WG0: the pair's reference received; WG1: published
-  kMarkOwnPvIssued,      // its P stored, the P.V of its own block issued
-  kMarkPPublished,       // its P published
+  kMarkOwnPvIssued,      // the P.V of its own block issued (P from registers)
+  kMarkPPublished,       // its P stored in its tile and published
   kMarkOtherPReady,      // the other consumer's P ready
   kMarkOtherLanded,      // the other block's value half landed
   kMarkOtherPvIssued,    // the other block's P.V issued
@@ -101,9 +101,10 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) reference[rh] = plan.reference_of_pair[phase][row0 + 8 * rh];
     rescale_to(st, reference);
-    auto tP = own_p<Cfg>(plan, st, accS, reference, p.scale_log2, 0, thread);
+    auto tP = own_p<Cfg>(st, accS, reference, p.scale_log2, thread);
     issue_own_pv<Cfg>(plan, st, tP, 0, thread);
     mark(kMarkOwnPvIssued);
+    store_p_tile<Cfg>(plan, accS, 0, thread);
     publish_p(kEvenPReady);
     mark(kMarkPPublished);
     if (has_odd) {
@@ -171,9 +172,10 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     mark(kMarkReference);
     rescale_to(st, reference);
     if (has_odd) {
-      auto tP = own_p<Cfg>(plan, st, accS, reference, p.scale_log2, 1, thread);
+      auto tP = own_p<Cfg>(st, accS, reference, p.scale_log2, thread);
       issue_own_pv<Cfg>(plan, st, tP, 1, thread);
       mark(kMarkOwnPvIssued);
+      store_p_tile<Cfg>(plan, accS, 1, thread);
       publish_p(kOddPReady);
       mark(kMarkPPublished);
     }

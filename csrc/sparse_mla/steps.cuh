@@ -171,25 +171,20 @@ struct ConsumerState {
 using cutlass::arch::NamedBarrier;
 
 // The pair's reference is known (and O rescaled to it): this consumer's own
-// block's scores become P (relative to it), stored in the block's P tile for
-// the other consumer and returned as the A operand of the own block's P . V
-// from registers (RS WGMMA): element i of the fragment is the score
-// accumulator's element i (the 64 x 64 C layout read as four 64 x 16 A
-// blocks: GMMA's A layout for 64 x 16 is its C layout), rounded to bf16 as
-// the tile holds it. The tile is written first, so that nothing reads the
-// fragment's registers between the product's issue and its wait (PTX leaves
-// that undefined).
+// block's scores become P (relative to it), returned as the A operand of the
+// own block's P . V from registers (RS WGMMA): element i of the fragment is
+// the score accumulator's element i (the 64 x 64 C layout read as four
+// 64 x 16 A blocks: GMMA's A layout for 64 x 16 is its C layout), rounded to
+// bf16. accS keeps P in float32 for store_p_tile.
 template <class Cfg, class Acc>
-__device__ __forceinline__ auto own_p(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st, Acc& accS,
-                                      const float (&ref)[2], float scale_log2, int buffer, int thread) {
+__device__ __forceinline__ auto own_p(ConsumerState<Cfg>& st, Acc& accS, const float (&ref)[2], float scale_log2,
+                                      int thread) {
   exponentiate(accS, ref, scale_log2, st.row_sum);
-  const int warp = thread / 32, lane = thread % 32;
-  store_acc_tile(p_tile<Cfg>(plan, buffer), accS, 16 * warp + lane / 4, lane);  // a SmemLayoutP tile
   using MmaPVRegs = typename Cfg::MmaPVRegs;
   static_assert(std::is_same_v<typename MmaPVRegs::Atom::Traits::ALayout, GMMA::CLayout_64x16>,
                 "the RS A fragment of a 64 x 16 block is laid out as its accumulator");
-  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
-  Tensor tP = MmaPVRegs{}.get_slice(thread).partition_fragment_A(sP);  // (its shape; registers)
+  Tensor tP = MmaPVRegs{}.get_slice(thread).partition_fragment_A(
+      make_tensor(make_smem_ptr(static_cast<bf16*>(nullptr)), typename Cfg::SmemLayoutP{}));  // (its shape; registers)
   static_assert(decltype(size(tP))::value == decltype(size(accS))::value, "P's A fragment is its accumulator");
   CUTE_UNROLL
   for (int i = 0; i < size(accS); i += 2) {
@@ -201,7 +196,11 @@ __device__ __forceinline__ auto own_p(typename Cfg::SharedMemoryPlan& plan, Cons
 }
 
 // O[:, half] += P . V of the consumer's own block from registers (the
-// fragment own_p returned; committed, not waited for: the caller's first wait).
+// fragment own_p returned; committed, not waited for: the caller's first
+// wait). From here to that wait nothing may read the fragment's registers
+// (PTX leaves it undefined): the fence after the issue tells the compiler
+// they are the WGMMA's, so store_p_tile's rounding is computed afresh from
+// the float32 scores, not taken from the fragment.
 template <class Cfg, class FragP>
 __device__ __forceinline__ void issue_own_pv(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
                                              FragP& tP, int buffer, int thread) {
@@ -211,7 +210,17 @@ __device__ __forceinline__ void issue_own_pv(typename Cfg::SharedMemoryPlan& pla
   warpgroup_fence_operand(tP);
 }
 
-// The block's P tile (own_p's stores) published for the other consumer.
+// The own block's P into its shared tile for the other consumer, rounded
+// from the float32 scores as the fragment was (the same bits), while the own
+// P . V runs.
+template <class Cfg, class Acc>
+__device__ __forceinline__ void store_p_tile(typename Cfg::SharedMemoryPlan& plan, const Acc& accS, int buffer,
+                                             int thread) {
+  const int warp = thread / 32, lane = thread % 32;
+  store_acc_tile(p_tile<Cfg>(plan, buffer), accS, 16 * warp + lane / 4, lane);  // a SmemLayoutP tile
+}
+
+// The block's P tile (store_p_tile's stores) published for the other consumer.
 __device__ __forceinline__ void publish_p(uint32_t ready_barrier) {
   cutlass::arch::fence_view_async_shared();  // the other consumer's WGMMAs read P through the async proxy
   NamedBarrier::arrive(kPairThreads, ready_barrier);
