@@ -11,8 +11,9 @@
 //   WG0 computes S = Q.K^T of the even blocks, WG1 of the odd ones; each
 //   consumer owns half of the output dims (WG0: 0..255, WG1: 256..511) and
 //   multiplies every block's P into its half: its own block's from
-//   registers, the other's from its shared tile. The softmax's reference (steps.cuh) is exchanged through shared memory once per
-//   block pair, so both halves share one softmax.
+//   registers, the other's from its shared tile. The softmax's reference
+//   (steps.cuh) is exchanged through shared memory once per block pair, so
+//   both halves share one softmax.
 //   WG2 gathers the key rows (all 128 threads, both buffers by half blocks)
 //   and loads Q by TMA.
 #pragma once
@@ -149,7 +150,7 @@ struct FwdConfig {
   // blocks' (WG0 computes S), buffer 1 the odd ones' (WG1). Dim tiles
   // 0..3 are WG0's value half, 4..7 WG1's.
   static __device__ __forceinline__ int stage_readers(int buffer, int dim_tile) {
-    // Buffer 0's rope tile: S0's warpgroup, and WG1's P0 . V1 reads P0 there; buffer 1's: S1 alone.
+    // Buffer 0's rope tile: S0's warpgroup, and WG1's P0 . V0 reads P0 there; buffer 1's: S1 alone.
     if (dim_tile >= kDv / kDimTile) return buffer == 0 ? 2 : 1;
     const int value_owner = dim_tile / kVTilesPerConsumer;
     return value_owner == buffer ? 1 : 2;

@@ -51,7 +51,7 @@ __device__ __forceinline__ void release(typename Cfg::SharedMemoryPlan& plan, in
 
 // After a P.V: this warpgroup's value half of `buffer` (tiles first_tile ..
 // + 3) has been read, and this warpgroup is done with the even block's P
-// where it lives in buffer 0's rope stage (WG0 wrote it, WG1's P0 . V1 read
+// where it lives in buffer 0's rope stage (WG0 wrote it, WG1's P0 . V0 read
 // it).
 template <class Cfg>
 __device__ __forceinline__ void release_after_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int first_tile,
@@ -198,9 +198,8 @@ __device__ __forceinline__ auto own_p(ConsumerState<Cfg>& st, Acc& accS, const f
 // O[:, half] += P . V of the consumer's own block from registers (the
 // fragment own_p returned; committed, not waited for: the caller's first
 // wait). From here to that wait nothing may read the fragment's registers
-// (PTX leaves it undefined): the fence after the issue tells the compiler
-// they are the WGMMA's, so store_p_tile's rounding is computed afresh from
-// the float32 scores, not taken from the fragment.
+// (PTX leaves it undefined): store_p_tile rounds P again from the float32
+// scores (accS, not an operand of this product) instead of reading them.
 template <class Cfg, class FragP>
 __device__ __forceinline__ void issue_own_pv(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
                                              FragP& tP, int buffer, int thread) {
