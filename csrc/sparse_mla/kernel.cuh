@@ -102,7 +102,7 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     for (int rh = 0; rh < 2; ++rh) reference[rh] = plan.reference_of_pair[phase][row0 + 8 * rh];
     rescale_to(st, reference);
     auto tP = own_p<Cfg>(st, accS, reference, p.scale_log2, thread);
-    issue_own_pv<Cfg>(plan, st, tP, 0, thread);
+    issue_own_pv<Cfg>(plan, tP, 0, st.accO, thread);
     mark(kMarkOwnPvIssued);
     store_p_tile<Cfg>(plan, accS, 0, thread);
     publish_p(kEvenPReady);
@@ -173,7 +173,7 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     rescale_to(st, reference);
     if (has_odd) {
       auto tP = own_p<Cfg>(st, accS, reference, p.scale_log2, thread);
-      issue_own_pv<Cfg>(plan, st, tP, 1, thread);
+      issue_own_pv<Cfg>(plan, tP, 1, st.accO, thread);
       mark(kMarkOwnPvIssued);
       store_p_tile<Cfg>(plan, accS, 1, thread);
       publish_p(kOddPReady);

@@ -180,11 +180,10 @@ template <class Cfg, class Acc>
 __device__ __forceinline__ auto own_p(ConsumerState<Cfg>& st, Acc& accS, const float (&ref)[2], float scale_log2,
                                       int thread) {
   exponentiate(accS, ref, scale_log2, st.row_sum);
-  using MmaPVRegs = typename Cfg::MmaPVRegs;
-  static_assert(std::is_same_v<typename MmaPVRegs::Atom::Traits::ALayout, GMMA::CLayout_64x16>,
+  static_assert(std::is_same_v<typename Cfg::MmaPVRegs::Atom::Traits::ALayout, GMMA::CLayout_64x16>,
                 "the RS A fragment of a 64 x 16 block is laid out as its accumulator");
-  Tensor tP = MmaPVRegs{}.get_slice(thread).partition_fragment_A(
-      make_tensor(make_smem_ptr(static_cast<bf16*>(nullptr)), typename Cfg::SmemLayoutP{}));  // (its shape; registers)
+  // The RS A fragment of a 64 x kBlockTopk P (as the indexer backward's dz).
+  Tensor tP = make_tensor<bf16>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockTopk / 16>>>{});
   static_assert(decltype(size(tP))::value == decltype(size(accS))::value, "P's A fragment is its accumulator");
   CUTE_UNROLL
   for (int i = 0; i < size(accS); i += 2) {
@@ -200,12 +199,12 @@ __device__ __forceinline__ auto own_p(ConsumerState<Cfg>& st, Acc& accS, const f
 // wait). From here to that wait nothing may read the fragment's registers
 // (PTX leaves it undefined): store_p_tile rounds P again from the float32
 // scores (accS, not an operand of this product) instead of reading them.
-template <class Cfg, class FragP>
-__device__ __forceinline__ void issue_own_pv(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
-                                             FragP& tP, int buffer, int thread) {
+template <class Cfg, class FragP, class AccO>
+__device__ __forceinline__ void issue_own_pv(typename Cfg::SharedMemoryPlan& plan, FragP& tP, int buffer,
+                                             AccO& accO, int thread) {
   typename Cfg::MmaPVRegs mma;
   warpgroup_fence_operand(tP);
-  pv_product<Cfg>(plan, mma, tP, buffer, /*consumer=*/buffer, st.accO, thread);
+  pv_product<Cfg>(plan, mma, tP, buffer, /*consumer=*/buffer, accO, thread);
   warpgroup_fence_operand(tP);
 }
 
