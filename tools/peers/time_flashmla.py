@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from jax_attn_dist import oracle  # noqa: E402
+from bench import git_commit, kernel_build_id  # noqa: E402
 from sparse_mla_bench import lse_error, sparse_mla_flops, sparse_mla_problem  # noqa: E402
 from timing import time_calls  # noqa: E402
 
@@ -159,6 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--so", default="/tmp/flashmla_harness.so", help="the harness library")
     ap.add_argument("--flashmla-dir", default=os.path.join(ROOT, ".peer", "flashmla"),
                     help="the FlashMLA source it was built from (its COMMIT file, if any, is recorded)")
+    ap.add_argument("--flashmla-commit", default=None, help="FlashMLA's commit, where no COMMIT file is at hand")
     ap.add_argument("--S", type=int, default=4096)
     ap.add_argument("--N", type=int, default=8192)
     ap.add_argument("--T", type=int, default=2048)
@@ -181,8 +183,10 @@ def main(argv=None) -> int:
         return 2
     lib = load_harness(args.so)
     commit_file = os.path.join(args.flashmla_dir, "COMMIT")
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "flashmla_commit": open(commit_file).read().strip() if os.path.exists(commit_file) else None,
+    result = {"commit": git_commit(), "kernel_build_id": kernel_build_id(),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "flashmla_commit": (open(commit_file).read().strip() if os.path.exists(commit_file)
+                                  else args.flashmla_commit),
               "timing": {"ours": f"bench.py's time_calls: median of {args.samples} x {args.calls} calls, 2 input "
                                  f"sets, best of {args.rounds} rounds",
                          "flashmla": f"cudaEvents over {args.iters} launches after {args.warmup}, one input set, "
