@@ -1,12 +1,16 @@
 // Device pieces the SM90 kernels share around their main loops: the aligned
 // shared-memory plan, the CTA's place in a (batch, token, head tile) grid,
-// Q's head tile by TMA, and the fast exp2.
+// Q's head tile by TMA, the fast exp2, and an accumulator's values as the A
+// operand of an RS WGMMA.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda.h>
 
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
@@ -63,6 +67,19 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// The bf16 A operand in registers of an RS WGMMA (TiledMma) over a 64 x N
+// tile, element i holding element i of the same tile's float accumulator:
+// GMMA's A layout of a 64 x 16 block is its C layout, so a 64 x N
+// accumulator read in order is N / 16 such blocks.
+template <class TiledMma, int N>
+__device__ __forceinline__ auto make_accumulator_a_fragment() {
+  static_assert(std::is_same_v<typename TiledMma::Atom::Traits::ALayout, cute::GMMA::CLayout_64x16>,
+                "the RS A fragment of a 64 x 16 block is laid out as its accumulator");
+  static_assert(N % 16 == 0, "whole 64 x 16 blocks");
+  return cute::make_tensor<bf16>(
+      cute::Layout<cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1, cute::Int<N / 16>>>{});
 }
 
 }  // namespace attn_dist

@@ -25,6 +25,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "../common/cta.cuh"
 #include "bwd_config.h"
 #include "fixed_point.cuh"
 #include "bwd_steps.cuh"
@@ -85,7 +86,7 @@ __device__ __forceinline__ void consume_blocks_bwd(typename Cfg::SharedMemoryPla
   auto dk_thr = dk_mma.get_slice(thread_in_wg);
   Tensor sQmn = make_tensor(make_smem_ptr(plan.q), typename Cfg::SmemLayoutQmn{});
   Tensor tBq = dk_thr.partition_fragment_B(sQmn);
-  Tensor tAdz = make_tensor<bf16>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<HT / 16>>>{});
+  Tensor tAdz = make_accumulator_a_fragment<typename Cfg::DkMma, HT>();
   Tensor acc_dk = partition_fragment_C(dk_mma, Shape<Int<kBlockTopk>, Int<DI>>{});
   static_assert(size(tAdz) == size(acc_z), "dz's A fragment holds z's values");
 

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include <cuda_bf16.h>
 
@@ -180,10 +179,7 @@ template <class Cfg, class Acc>
 __device__ __forceinline__ auto own_p(ConsumerState<Cfg>& st, Acc& accS, const float (&ref)[2], float scale_log2,
                                       int thread) {
   exponentiate(accS, ref, scale_log2, st.row_sum);
-  static_assert(std::is_same_v<typename Cfg::MmaPVRegs::Atom::Traits::ALayout, GMMA::CLayout_64x16>,
-                "the RS A fragment of a 64 x 16 block is laid out as its accumulator");
-  // The RS A fragment of a 64 x kBlockTopk P (as the indexer backward's dz).
-  Tensor tP = make_tensor<bf16>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockTopk / 16>>>{});
+  Tensor tP = make_accumulator_a_fragment<typename Cfg::MmaPVRegs, kBlockTopk>();
   static_assert(decltype(size(tP))::value == decltype(size(accS))::value, "P's A fragment is its accumulator");
   CUTE_UNROLL
   for (int i = 0; i < size(accS); i += 2) {
