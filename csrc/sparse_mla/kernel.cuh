@@ -101,12 +101,8 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) reference[rh] = plan.reference_of_pair[phase][row0 + 8 * rh];
     rescale_to(st, reference);
-    auto tP = own_p<Cfg>(st, accS, reference, p.scale_log2, thread);
-    issue_own_pv<Cfg>(plan, tP, 0, st.accO, thread);
-    mark(kMarkOwnPvIssued);
-    store_p_tile<Cfg>(plan, accS, 0, thread);
-    publish_p(kEvenPReady);
-    mark(kMarkPPublished);
+    own_block_pv<Cfg>(plan, st, accS, reference, p.scale_log2, 0, kEvenPReady, thread,
+                      [&] { mark(kMarkOwnPvIssued); }, [&] { mark(kMarkPPublished); });
     if (has_odd) {
       NamedBarrier::sync(kPairThreads, kOddPReady);
       mark(kMarkOtherPReady);
@@ -172,12 +168,8 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     mark(kMarkReference);
     rescale_to(st, reference);
     if (has_odd) {
-      auto tP = own_p<Cfg>(st, accS, reference, p.scale_log2, thread);
-      issue_own_pv<Cfg>(plan, tP, 1, st.accO, thread);
-      mark(kMarkOwnPvIssued);
-      store_p_tile<Cfg>(plan, accS, 1, thread);
-      publish_p(kOddPReady);
-      mark(kMarkPPublished);
+      own_block_pv<Cfg>(plan, st, accS, reference, p.scale_log2, 1, kOddPReady, thread,
+                        [&] { mark(kMarkOwnPvIssued); }, [&] { mark(kMarkPPublished); });
     }
     NamedBarrier::sync(kPairThreads, kEvenPReady);
     mark(kMarkOtherPReady);

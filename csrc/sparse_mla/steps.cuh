@@ -170,11 +170,10 @@ struct ConsumerState {
 using cutlass::arch::NamedBarrier;
 
 // The pair's reference is known (and O rescaled to it): this consumer's own
-// block's scores become P (relative to it), returned as the A operand of the
-// own block's P . V from registers (RS WGMMA): element i of the fragment is
-// the score accumulator's element i (the 64 x 64 C layout read as four
-// 64 x 16 A blocks: GMMA's A layout for 64 x 16 is its C layout), rounded to
-// bf16. accS keeps P in float32 for store_p_tile.
+// block's scores become P (relative to it), returned rounded to bf16 as the
+// A operand of the own block's P . V from registers (RS WGMMA; element i is
+// the score accumulator's element i). accS keeps P in float32 for
+// store_p_tile.
 template <class Cfg, class Acc>
 __device__ __forceinline__ auto own_p(ConsumerState<Cfg>& st, Acc& accS, const float (&ref)[2], float scale_log2,
                                       int thread) {
@@ -218,6 +217,23 @@ __device__ __forceinline__ void store_p_tile(typename Cfg::SharedMemoryPlan& pla
 __device__ __forceinline__ void publish_p(uint32_t ready_barrier) {
   cutlass::arch::fence_view_async_shared();  // the other consumer's WGMMAs read P through the async proxy
   NamedBarrier::arrive(kPairThreads, ready_barrier);
+}
+
+// A consumer's own block (`buffer`, its P published on ready_barrier): P
+// formed, its P . V issued from registers, then its tile stored and
+// published for the other consumer while that product runs. on_issued()
+// follows the issue, on_published() the publication (timeline marks).
+template <class Cfg, class Acc, class OnIssued, class OnPublished>
+__device__ __forceinline__ void own_block_pv(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st,
+                                             Acc& accS, const float (&ref)[2], float scale_log2, int buffer,
+                                             uint32_t ready_barrier, int thread, OnIssued on_issued,
+                                             OnPublished on_published) {
+  auto tP = own_p<Cfg>(st, accS, ref, scale_log2, thread);
+  issue_own_pv<Cfg>(plan, tP, buffer, st.accO, thread);
+  on_issued();
+  store_p_tile<Cfg>(plan, accS, buffer, thread);
+  publish_p(ready_barrier);
+  on_published();
 }
 
 // The reference moves to `ref` (the same in both consumers): O and the row
