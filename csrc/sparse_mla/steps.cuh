@@ -100,16 +100,17 @@ __device__ __forceinline__ void mask_row_max(Acc& accS, uint64_t valid, float sc
   }
 }
 
-// P = exp2(S scale_log2 - ref) in place, added to this thread's share of the
-// row sums.
+// P = exp2(S scale_log2 - ref) in place for the accumulator's elements
+// [first, last), added to this thread's share of the row sums (in element
+// order). A reference of -inf (no valid slot yet) leaves every term 0.
 template <class Acc>
-__device__ __forceinline__ void exponentiate(Acc& accS, const float (&ref)[2], float scale_log2,
-                                             float (&row_sum)[2]) {
+__device__ __forceinline__ void exponentiate(Acc& accS, int first, int last, const float (&ref)[2],
+                                             float scale_log2, float (&row_sum)[2]) {
   float offset[2];
   CUTE_UNROLL
   for (int rh = 0; rh < 2; ++rh) offset[rh] = ref[rh] == -INFINITY ? 0.f : -ref[rh];
   CUTE_UNROLL
-  for (int i = 0; i < size(accS); ++i) {
+  for (int i = first; i < last; ++i) {
     const int rh = (i >> 1) & 1;
     accS(i) = fast_exp2(fmaf(accS(i), scale_log2, offset[rh]));
     row_sum[rh] += accS(i);
@@ -131,15 +132,21 @@ __device__ __forceinline__ void rescale_rows(Acc& acc, const float (&factor)[2])
   for (int i = 0; i < size(acc); ++i) acc(i) *= factor[(i >> 1) & 1];
 }
 
+// The B operand of a P.V: this consumer's four value tiles of `buffer`.
+template <class Cfg, class TiledMma>
+__device__ __forceinline__ auto value_fragment(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, int buffer,
+                                               int consumer, int thread) {
+  Tensor sV = make_tensor(make_smem_ptr(plan.kv[buffer] + consumer * kVTilesPerConsumer * kBlockTopk * kDimTile),
+                          typename Cfg::SmemLayoutV{});
+  return mma.get_slice(thread).partition_fragment_B(sV);
+}
+
 // O[:, half] += P . V over one block (issued and committed, not waited
-// for), V from this consumer's four value tiles of `buffer`; tP is P's A
-// operand: of its shared tile (SS) or in registers (RS).
+// for), P's A operand from its shared tile.
 template <class Cfg, class TiledMma, class FragP, class AccO>
 __device__ __forceinline__ void pv_product(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragP& tP,
                                            int buffer, int consumer, AccO& accO, int thread) {
-  Tensor sV = make_tensor(make_smem_ptr(plan.kv[buffer] + consumer * kVTilesPerConsumer * kBlockTopk * kDimTile),
-                          typename Cfg::SmemLayoutV{});
-  Tensor tV = mma.get_slice(thread).partition_fragment_B(sV);
+  Tensor tV = value_fragment<Cfg>(plan, mma, buffer, consumer, thread);
   warpgroup_fence_operand(accO);
   warpgroup_arrive();
   CUTE_UNROLL
@@ -169,38 +176,41 @@ struct ConsumerState {
 
 using cutlass::arch::NamedBarrier;
 
-// The pair's reference is known (and O rescaled to it): this consumer's own
-// block's scores become P (relative to it), returned rounded to bf16 as the
-// A operand of the own block's P . V from registers (RS WGMMA; element i is
-// the score accumulator's element i). accS keeps P in float32 for
-// store_p_tile.
+// O[:, half] += P . V of the consumer's own block, P from registers (RS
+// WGMMA), formed 16 keys at a time: each 64 x 16 block of the scores is
+// exponentiated against the pair's reference (O already rescaled to it),
+// rounded into its A fragment (element i is the score accumulator's element
+// i) and its k-step issued, so that the product runs while the next block's
+// exponentials are computed. Committed as one group, not waited for; until
+// that wait nothing may read the fragment's registers (PTX leaves it
+// undefined): accS keeps P in float32, and store_p_tile rounds it again.
 template <class Cfg, class Acc>
-__device__ __forceinline__ auto own_p(ConsumerState<Cfg>& st, Acc& accS, const float (&ref)[2], float scale_log2,
-                                      int thread) {
-  exponentiate(accS, ref, scale_log2, st.row_sum);
+__device__ __forceinline__ void own_p_pv(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st, Acc& accS,
+                                         const float (&ref)[2], float scale_log2, int buffer, int thread) {
+  typename Cfg::MmaPVRegs mma;
+  Tensor tV = value_fragment<Cfg>(plan, mma, buffer, /*consumer=*/buffer, thread);
   Tensor tP = make_accumulator_a_fragment<typename Cfg::MmaPVRegs, kBlockTopk>();
   static_assert(decltype(size(tP))::value == decltype(size(accS))::value, "P's A fragment is its accumulator");
+  constexpr int kSteps = kBlockTopk / 16;
+  constexpr int kPerStep = decltype(size(accS))::value / kSteps;  // a 64 x 16 block's elements
+  warpgroup_fence_operand(st.accO);
   CUTE_UNROLL
-  for (int i = 0; i < size(accS); i += 2) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(accS(i), accS(i + 1));
-    tP(i) = bf16::bitcast(__bfloat16_as_ushort(v.x));
-    tP(i + 1) = bf16::bitcast(__bfloat16_as_ushort(v.y));
+  for (int kb = 0; kb < kSteps; ++kb) {
+    exponentiate(accS, kb * kPerStep, (kb + 1) * kPerStep, ref, scale_log2, st.row_sum);
+    CUTE_UNROLL
+    for (int i = kb * kPerStep; i < (kb + 1) * kPerStep; i += 2) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(accS(i), accS(i + 1));
+      tP(i) = bf16::bitcast(__bfloat16_as_ushort(v.x));
+      tP(i + 1) = bf16::bitcast(__bfloat16_as_ushort(v.y));
+    }
+    warpgroup_fence_operand(tP);
+    warpgroup_arrive();  // this k-step's fragment written (the earlier k-steps may still run)
+    cute::gemm(mma, tP(_, _, kb), tV(_, _, kb), st.accO);
+    warpgroup_fence_operand(accS);  // the next k-step's exponentials after this issue
   }
-  return tP;
-}
-
-// O[:, half] += P . V of the consumer's own block from registers (the
-// fragment own_p returned; committed, not waited for: the caller's first
-// wait). From here to that wait nothing may read the fragment's registers
-// (PTX leaves it undefined): store_p_tile rounds P again from the float32
-// scores (accS, not an operand of this product) instead of reading them.
-template <class Cfg, class FragP, class AccO>
-__device__ __forceinline__ void issue_own_pv(typename Cfg::SharedMemoryPlan& plan, FragP& tP, int buffer,
-                                             AccO& accO, int thread) {
-  typename Cfg::MmaPVRegs mma;
+  warpgroup_commit_batch();
   warpgroup_fence_operand(tP);
-  pv_product<Cfg>(plan, mma, tP, buffer, /*consumer=*/buffer, accO, thread);
-  warpgroup_fence_operand(tP);
+  warpgroup_fence_operand(st.accO);
 }
 
 // The own block's P into its shared tile for the other consumer, rounded
@@ -220,7 +230,7 @@ __device__ __forceinline__ void publish_p(uint32_t ready_barrier) {
 }
 
 // A consumer's own block (`buffer`, its P published on ready_barrier): P
-// formed, its P . V issued from registers, then its tile stored and
+// formed and its P . V issued from registers, then its tile stored and
 // published for the other consumer while that product runs. on_issued()
 // follows the issue, on_published() the publication (timeline marks).
 template <class Cfg, class Acc, class OnIssued, class OnPublished>
@@ -228,8 +238,7 @@ __device__ __forceinline__ void own_block_pv(typename Cfg::SharedMemoryPlan& pla
                                              Acc& accS, const float (&ref)[2], float scale_log2, int buffer,
                                              uint32_t ready_barrier, int thread, OnIssued on_issued,
                                              OnPublished on_published) {
-  auto tP = own_p<Cfg>(st, accS, ref, scale_log2, thread);
-  issue_own_pv<Cfg>(plan, tP, buffer, st.accO, thread);
+  own_p_pv<Cfg>(plan, st, accS, ref, scale_log2, buffer, thread);
   on_issued();
   store_p_tile<Cfg>(plan, accS, buffer, thread);
   publish_p(ready_barrier);
