@@ -103,6 +103,11 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
     rescale_to(st, reference);
     own_block_pv<Cfg>(plan, st, accS, reference, p.scale_log2, 0, kEvenPReady, thread,
                       [&] { mark(kMarkOwnPvIssued); }, [&] { mark(kMarkPPublished); });
+    // P0 . V0 done: its stages go back to the gather of the next even block
+    // before this warpgroup waits for WG1's P.
+    warpgroup_wait<0>();
+    mark(kMarkFirstPvDone);
+    release_after_pv<Cfg>(plan, 0, 0, lane);
     if (has_odd) {
       NamedBarrier::sync(kPairThreads, kOddPReady);
       mark(kMarkOtherPReady);
@@ -110,22 +115,10 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
       mark(kMarkOtherLanded);
       issue_pv<Cfg>(plan, 1, 0, st.accO, thread);
       mark(kMarkOtherPvIssued);
-    } else {
-      // An empty group, so that the wait below means P0 . V0 on both paths
-      // (fenced as a group with products would be, or ptxas adds the fence).
-      warpgroup_arrive();
-      warpgroup_commit_batch();
-    }
-    // P0 . V0 is done before P1 . V1: its stages go back to the gather of the
-    // next even block while P1 . V1 runs.
-    warpgroup_wait<1>();
-    mark(kMarkFirstPvDone);
-    release_after_pv<Cfg>(plan, 0, 0, lane);
-    warpgroup_wait<0>();  // on every path (a wait that depends on has_odd makes ptxas add its own)
-    mark(kMarkPvDone);
-    if (has_odd) {
+      warpgroup_wait<0>();
       release_after_pv<Cfg>(plan, 1, 0, lane);
     }
+    mark(kMarkPvDone);
   }
 }
 
@@ -170,6 +163,11 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     if (has_odd) {
       own_block_pv<Cfg>(plan, st, accS, reference, p.scale_log2, 1, kOddPReady, thread,
                         [&] { mark(kMarkOwnPvIssued); }, [&] { mark(kMarkPPublished); });
+      // P1 . V1 done: its stages go back to the gather of the next odd block
+      // before this warpgroup waits for WG0's P.
+      warpgroup_wait<0>();
+      mark(kMarkFirstPvDone);
+      release_after_pv<Cfg>(plan, 1, kVTilesPerConsumer, lane);
     }
     NamedBarrier::sync(kPairThreads, kEvenPReady);
     mark(kMarkOtherPReady);
@@ -177,13 +175,6 @@ __device__ __forceinline__ void consume_odd(typename Cfg::SharedMemoryPlan& plan
     mark(kMarkOtherLanded);
     issue_pv<Cfg>(plan, 0, 1, st.accO, thread);
     mark(kMarkOtherPvIssued);
-    if (has_odd) {
-      // P1 . V1 is done before P0 . V0: its stages go back to the gather of
-      // the next odd block while P0 . V0 runs.
-      warpgroup_wait<1>();
-      mark(kMarkFirstPvDone);
-      release_after_pv<Cfg>(plan, 1, kVTilesPerConsumer, lane);
-    }
     warpgroup_wait<0>();
     mark(kMarkPvDone);
     release_after_pv<Cfg>(plan, 0, kVTilesPerConsumer, lane);
