@@ -46,12 +46,12 @@ enum ConsumerMark : int {
   kMarkScoresDone,       // its block's scores completed
   kMarkMaxExchanged,     // WG0: its max published; WG1: WG0's received
   kMarkReference,        // WG0: the pair's reference received; WG1: published
-  kMarkOwnPvIssued,      // the P.V of its own block issued (P from registers)
+  kMarkOwnPvIssued,      // the P.V of its own block issued (P from registers; after its last k-step)
   kMarkPPublished,       // its P stored in its tile and published
   kMarkOtherPReady,      // the other consumer's P ready
   kMarkOtherLanded,      // the other block's value half landed
   kMarkOtherPvIssued,    // the other block's P.V issued
-  kMarkFirstPvDone,      // the first P.V completed
+  kMarkFirstPvDone,      // its own block's P.V completed (before the other P is waited for)
   kMarkPvDone,           // both completed
 };
 enum ProducerMark : int {  // the pair's halves in fill order: its first stage freed, its copies issued
@@ -116,9 +116,11 @@ __device__ __forceinline__ void consume_even(typename Cfg::SharedMemoryPlan& pla
       issue_pv<Cfg>(plan, 1, 0, st.accO, thread);
       mark(kMarkOtherPvIssued);
       warpgroup_wait<0>();
+      mark(kMarkPvDone);
       release_after_pv<Cfg>(plan, 1, 0, lane);
+    } else {
+      mark(kMarkPvDone);
     }
-    mark(kMarkPvDone);
   }
 }
 

@@ -141,11 +141,14 @@ __device__ __forceinline__ auto value_fragment(typename Cfg::SharedMemoryPlan& p
   return mma.get_slice(thread).partition_fragment_B(sV);
 }
 
-// O[:, half] += P . V over one block (issued and committed, not waited
-// for), P's A operand from its shared tile.
-template <class Cfg, class TiledMma, class FragP, class AccO>
-__device__ __forceinline__ void pv_product(typename Cfg::SharedMemoryPlan& plan, TiledMma& mma, const FragP& tP,
-                                           int buffer, int consumer, AccO& accO, int thread) {
+// O[:, half] += P . V of the other consumer's block (issued and committed,
+// not waited for), P's A operand from its shared tile.
+template <class Cfg, class AccO>
+__device__ __forceinline__ void issue_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int consumer,
+                                         AccO& accO, int thread) {
+  typename Cfg::MmaPV mma;
+  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
+  Tensor tP = mma.get_slice(thread).partition_fragment_A(sP);
   Tensor tV = value_fragment<Cfg>(plan, mma, buffer, consumer, thread);
   warpgroup_fence_operand(accO);
   warpgroup_arrive();
@@ -153,15 +156,6 @@ __device__ __forceinline__ void pv_product(typename Cfg::SharedMemoryPlan& plan,
   for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma, tP(_, _, kb), tV(_, _, kb), accO);
   warpgroup_commit_batch();
   warpgroup_fence_operand(accO);
-}
-
-// The same with P from its shared tile (the other consumer's block).
-template <class Cfg, class AccO>
-__device__ __forceinline__ void issue_pv(typename Cfg::SharedMemoryPlan& plan, int buffer, int consumer,
-                                         AccO& accO, int thread) {
-  typename Cfg::MmaPV mma;
-  Tensor sP = make_tensor(make_smem_ptr(p_tile<Cfg>(plan, buffer)), typename Cfg::SmemLayoutP{});
-  pv_product<Cfg>(plan, mma, mma.get_slice(thread).partition_fragment_A(sP), buffer, consumer, accO, thread);
 }
 
 // What a consumer ends with: its output half, row max and row-sum share.
@@ -177,13 +171,15 @@ struct ConsumerState {
 using cutlass::arch::NamedBarrier;
 
 // O[:, half] += P . V of the consumer's own block, P from registers (RS
-// WGMMA), formed 16 keys at a time: each 64 x 16 block of the scores is
+// WGMMA), written 16 keys at a time: each 64 x 16 block of the scores is
 // exponentiated against the pair's reference (O already rescaled to it),
 // rounded into its A fragment (element i is the score accumulator's element
-// i) and its k-step issued, so that the product runs while the next block's
-// exponentials are computed. Committed as one group, not waited for; until
-// that wait nothing may read the fragment's registers (PTX leaves it
-// undefined): accS keeps P in float32, and store_p_tile rounds it again.
+// i) and its k-step issued. ptxas keeps the first k-step's issue right after
+// its 16 keys but moves the later k-steps' exponentials ahead of their
+// issues (SASS), so the product starts after 16 keys' exponentials instead
+// of 64's. Committed as one group, not waited for; until that wait nothing
+// may read the fragment's registers (PTX leaves it undefined): accS keeps P
+// in float32, and store_p_tile rounds it again.
 template <class Cfg, class Acc>
 __device__ __forceinline__ void own_p_pv(typename Cfg::SharedMemoryPlan& plan, ConsumerState<Cfg>& st, Acc& accS,
                                          const float (&ref)[2], float scale_log2, int buffer, int thread) {
@@ -191,7 +187,8 @@ __device__ __forceinline__ void own_p_pv(typename Cfg::SharedMemoryPlan& plan, C
   Tensor tV = value_fragment<Cfg>(plan, mma, buffer, /*consumer=*/buffer, thread);
   Tensor tP = make_accumulator_a_fragment<typename Cfg::MmaPVRegs, kBlockTopk>();
   static_assert(decltype(size(tP))::value == decltype(size(accS))::value, "P's A fragment is its accumulator");
-  constexpr int kSteps = kBlockTopk / 16;
+  constexpr int kSteps = decltype(size<2>(tP))::value;  // the k-steps, k slowest in the fragment
+  static_assert(kSteps == kBlockTopk / 16, "one k-step per 16 keys");
   constexpr int kPerStep = decltype(size(accS))::value / kSteps;  // a 64 x 16 block's elements
   warpgroup_fence_operand(st.accO);
   CUTE_UNROLL
@@ -206,7 +203,7 @@ __device__ __forceinline__ void own_p_pv(typename Cfg::SharedMemoryPlan& plan, C
     warpgroup_fence_operand(tP);
     warpgroup_arrive();  // this k-step's fragment written (the earlier k-steps may still run)
     cute::gemm(mma, tP(_, _, kb), tV(_, _, kb), st.accO);
-    warpgroup_fence_operand(accS);  // the next k-step's exponentials after this issue
+    warpgroup_fence_operand(accS);  // the next k-step's exponentials after this issue (in PTX)
   }
   warpgroup_commit_batch();
   warpgroup_fence_operand(tP);
