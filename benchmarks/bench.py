@@ -80,12 +80,18 @@ ALL = (list(ATTN_SHAPES) + list(INDEXER_SHAPES) + list(STEPS) + list(PACKING) + 
        + list(SPARSE_MLA_BWD_SHAPES) + list(TOPK_SHAPES) + list(DSA_SHAPES))
 
 
-def git_commit() -> str:
-    if os.environ.get("JAX_ATTN_DIST_COMMIT"):  # the device copy of the tree has no .git
+def git_commit(root: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) -> str:
+    """The commit of the checkout that holds this file (``root``), with
+    ``+modified`` where its tracked files differ from that commit: a copy of
+    the tree whose ``.git`` is not its own (as on the device machine) then
+    names no commit it does not hold. ``JAX_ATTN_DIST_COMMIT`` overrides."""
+    if os.environ.get("JAX_ATTN_DIST_COMMIT"):
         return os.environ["JAX_ATTN_DIST_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        def git(*args):
+            return subprocess.check_output(["git", "-C", root, *args], text=True, stderr=subprocess.DEVNULL)
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        return commit + "+modified" if git("status", "--porcelain", "--untracked-files=no").strip() else commit
     except Exception:  # noqa: BLE001
         return "unknown"
 

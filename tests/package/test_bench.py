@@ -284,3 +284,19 @@ def test_plain_xla_layer_is_the_layer():
     _, no_out = composed_step(plain_ops(kw))(q, kv, iq, ik, w, jnp.zeros_like(g))
     assert not np.any(np.asarray(no_out[0], np.float32)) and not np.any(np.asarray(no_out[1], np.float32))
     assert np.any(np.asarray(no_out[2], np.float32))
+
+
+def test_git_commit_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeypatch):
+    import subprocess
+    monkeypatch.delenv("JAX_ATTN_DIST_COMMIT", raising=False)
+    run = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+    run("init", "-q")
+    (tmp_path / "f.txt").write_text("a\n")
+    run("add", "f.txt")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    head = subprocess.check_output(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], text=True).strip()
+    assert bench.git_commit(str(tmp_path)) == head
+    (tmp_path / "f.txt").write_text("b\n")
+    assert bench.git_commit(str(tmp_path)) == head + "+modified"
+    monkeypatch.setenv("JAX_ATTN_DIST_COMMIT", "abc1234")
+    assert bench.git_commit(str(tmp_path)) == "abc1234"
