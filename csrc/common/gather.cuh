@@ -213,13 +213,16 @@ struct KeyRowFeeder {
 
 // kFeeders threads feed consumer `consumer`'s ring (`stages`: its kStages
 // stage buffers) with the key rows of its blocks, kDims / 64 stages per block,
-// in dim order; on_filled(block, dim tile) follows each stage's copies. The
-// slot indices are loaded kLookahead of this ring's blocks ahead.
-template <class Ring, int kDims, int kLookahead = 1, class OnFilled = timeline::NoMark>
+// in dim order from kFirstTile on, wrapping (a ring one block deep, stage =
+// dim tile, may fill the stages its readers free last at the end);
+// on_filled(block, dim tile) follows each stage's copies. The slot indices
+// are loaded kLookahead of this ring's blocks ahead.
+template <class Ring, int kDims, int kLookahead = 1, int kFirstTile = 0, class OnFilled = timeline::NoMark>
 __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::Barriers& ring,
                                                   const RowSlots& slots, const bf16* keys, int consumer,
                                                   int feeder, OnFilled on_filled = {}) {
   using Feeder = KeyRowFeeder<Ring, kDims>;
+  static_assert(kFirstTile == 0 || Ring::kStages == Feeder::kDimTiles, "a rotated fill: one block deep, stage = dim tile");
   const Feeder f(slots, keys, feeder);
   const int num_blocks = slots.num_blocks();
   RingPos<Ring::kStages> pos;
@@ -237,9 +240,11 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
       for (int r = 0; r < Feeder::kRows; ++r) ahead[a][r] = ahead[a + 1][r];
     if (block + kLookahead * Ring::kConsumers < num_blocks)
       f.load_indices(block + kLookahead * Ring::kConsumers, ahead[kLookahead - 1]);
-    for (int dt = 0; dt < Feeder::kDimTiles; ++dt) {
-      f.fill_stage(stages + pos.stage * Ring::kStageElems, &ring.empty[consumer][pos.stage],
-                   &ring.full[consumer][pos.stage], pos.phase ^ 1, rows, dt);
+    for (int i = 0; i < Feeder::kDimTiles; ++i) {
+      const int dt = (i + kFirstTile) % Feeder::kDimTiles;
+      const int stage = kFirstTile == 0 ? pos.stage : dt;  // (pos.stage == i where the ring is one block deep)
+      f.fill_stage(stages + stage * Ring::kStageElems, &ring.empty[consumer][stage], &ring.full[consumer][stage],
+                   pos.phase ^ 1, rows, dt);
       on_filled(block, dt);
       pos.advance();
     }

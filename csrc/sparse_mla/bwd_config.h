@@ -127,6 +127,11 @@ struct BwdConfig {
 
   // One ring, one block deep, read by both consumers.
   using Ring = GatherRing<kDimTiles, 1>;
+  // The gather fills a block's stages, and S reads them, from the rope tile
+  // on (8, 0, 1, .., 7): the landings (stages 6 and 7), which a pair frees
+  // only after the block's last merges, come last, so that the next block's
+  // S does not wait for them behind the rope stage (dP reads 0..7 anyway).
+  static constexpr int kFirstFilledTile = kRopeTiles ? bwd::kValueTiles : 0;
 
   // Q and dO: 64 heads x 64-dim tiles, K-major, 128-byte swizzle (TMA-written).
   using SmemLayoutQ = decltype(cute::tile_to_shape(

@@ -63,11 +63,11 @@ __device__ __forceinline__ void load_lse2(const SparseMlaBwdParams& p, const Cta
 
 // acc = A.K^T over A's dim tiles of the block (A: Q, all D, or dO, the values; whose
 // tiles land by TMA before the first block); issued and committed, not waited for.
-template <class Cfg, class LayoutA, class Acc, class OnLanded = timeline::NoMark>
+template <class Cfg, class LayoutA, int kFirstTile = 0, class Acc, class OnLanded = timeline::NoMark>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, const bf16* a_smem,
                                              uint64_t* a_ready, uint32_t phase, bool first_block, Acc& acc,
                                              int thread, OnLanded on_landed = {}) {
-  issue_block_scores<typename Cfg::MmaScores, LayoutA, typename Cfg::Ring::SmemLayout>(
+  issue_block_scores<typename Cfg::MmaScores, LayoutA, typename Cfg::Ring::SmemLayout, kFirstTile>(
       a_smem, a_ready, plan.kv, plan.ring.full[0], phase, first_block, acc, thread, on_landed);
 }
 
