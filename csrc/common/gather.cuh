@@ -6,8 +6,9 @@
 //
 // A stage is one 64-key x 64-dim tile (8 KiB bf16, K-major, 128-byte swizzle:
 // a WGMMA operand). In gather_key_blocks consumer c takes the key blocks c,
-// c + kConsumers, ...; for each it needs kDims / 64 stages, in dim order (the
-// sparse MLA forward orders its stages itself, with KeyRowFeeder). Invalid
+// c + kConsumers, ...; for each it needs kDims / 64 stages, in dim order or,
+// in a ring one block deep, from a given tile on (the sparse MLA forward
+// orders its stages itself, with KeyRowFeeder). Invalid
 // slots (per RowSlots) are zero-filled without a read, so any index is safe.
 #pragma once
 
