@@ -223,6 +223,7 @@ __device__ __forceinline__ void gather_key_blocks(bf16* stages, typename Ring::B
                                                   const RowSlots& slots, const bf16* keys, int consumer,
                                                   int feeder, OnFilled on_filled = {}) {
   using Feeder = KeyRowFeeder<Ring, kDims>;
+  static_assert(kFirstTile >= 0 && kFirstTile < Feeder::kDimTiles, "kFirstTile: one of the block's dim tiles");
   static_assert(kFirstTile == 0 || Ring::kStages == Feeder::kDimTiles, "a rotated fill: one block deep, stage = dim tile");
   const Feeder f(slots, keys, feeder);
   const int num_blocks = slots.num_blocks();
