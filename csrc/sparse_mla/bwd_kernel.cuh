@@ -98,9 +98,8 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
     mark(kScoresTop);
     const uint32_t phase = block & 1;
     const BlockSlots slots = load_block_slots(c.slots, block, lane);
-    issue_scores<Cfg, typename Cfg::SmemLayoutQ, Cfg::kFirstFilledTile>(plan, plan.q, plan.q_ready, phase,
-                                                                         block == 0, accS, thread,
-                                                 [&](int i) { if (i == 0) mark(kScoresLanded); });
+    issue_scores<Cfg, typename Cfg::SmemLayoutQ, Cfg::kFirstFilledTile>(
+        plan, plan.q, plan.q_ready, phase, block == 0, accS, thread, [&](int i) { if (i == 0) mark(kScoresLanded); });
     const KeyRows rows = block_key_rows<Cfg>(p, c, block, thread);
     warpgroup_wait<0>();
     mark(kScoresDone);
@@ -222,11 +221,9 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       load_head_tile_by_tma<Cfg::HT, bwd::kValueTiles>(plan.dout, plan.dout_ready, &tma.dout, cta);
     }
     const bf16* keys = static_cast<const bf16*>(params.kv) + int64_t(cta.batch) * params.s_kv * Cfg::D;
-    gather_key_blocks<typename Cfg::Ring, Cfg::D, 1, Cfg::kFirstFilledTile>(plan.kv, plan.ring, cta.slots, keys, 0,
-                                                                            thread_in_wg,
-                                                  [&](int block, int dt) {
-                                                    timeline::mark(thread_in_wg == 0, 2, block, kStageFilled + dt);
-                                                  });
+    gather_key_blocks<typename Cfg::Ring, Cfg::D, 1, Cfg::kFirstFilledTile>(
+        plan.kv, plan.ring, cta.slots, keys, 0, thread_in_wg,
+        [&](int block, int dt) { timeline::mark(thread_in_wg == 0, 2, block, kStageFilled + dt); });
     timeline::mark_end(thread_in_wg == 0, bwd::kNumConsumers);
   } else {
     cutlass::arch::warpgroup_reg_alloc<bwd::kConsumerRegs>();

@@ -62,7 +62,8 @@ __device__ __forceinline__ void load_lse2(const SparseMlaBwdParams& p, const Cta
 }
 
 // acc = A.K^T over A's dim tiles of the block (A: Q, all D, or dO, the values; whose
-// tiles land by TMA before the first block); issued and committed, not waited for.
+// tiles land by TMA before the first block), from kFirstTile on, wrapping;
+// issued and committed, not waited for.
 template <class Cfg, class LayoutA, int kFirstTile = 0, class Acc, class OnLanded = timeline::NoMark>
 __device__ __forceinline__ void issue_scores(typename Cfg::SharedMemoryPlan& plan, const bf16* a_smem,
                                              uint64_t* a_ready, uint32_t phase, bool first_block, Acc& acc,
