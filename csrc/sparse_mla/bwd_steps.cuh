@@ -308,42 +308,60 @@ __device__ __forceinline__ void landing_free_after_dq(uint64_t* send_free, const
       arrive_cluster_relaxed(cluster_address(&send_free[w], role.partner), 1);
 }
 
-// Deterministic: a pair's merged half tile staged in its landing as rows of
-// 128 bytes, row acc_row of this thread: pass q's 16 columns (group
-// kFirstGroup + q) as 64-bit fixed-point terms in column order.
+// Deterministic: a pair's merged half tile goes into the fixed-point sums
+// from a warp's own rows: 8 of its 16 rows at a time (its rh = 0 or 1 rows),
+// 16 columns of each (pass 0 or 1), staged as 128-byte rows in the warp's
+// kilobyte of its landing's upper half (the partner's bf16 half tile fills
+// the lower half), then added by 64-bit integer reductions, each warp
+// instruction two rows' whole 128-byte lines. Only the warp touches its
+// rows, so no warpgroup barrier and no copy-engine wait sits in the merge.
 constexpr int kStagedRowBytes = 128;
-static_assert(kStagedRowBytes * kBlockTopk == int(bwd::kLandingBytes) &&
-                  kStagedRowBytes == bwd::kPairDimsPerRank / 2 * int(sizeof(long long)),
-              "a landing holds one row per key: 16 fixed-point columns a pass");
+constexpr int kWarpStagedRows = 8;
+constexpr int kWarpStagingBytes = kWarpStagedRows * kStagedRowBytes;
+static_assert(kStagedRowBytes == bwd::kPairDimsPerRank / 2 * int(sizeof(long long)) &&
+                  bwd::kHalfTileBytes + kWarpgroupThreads / 32 * kWarpStagingBytes <= bwd::kLandingBytes,
+              "a warp's staged rows (16 fixed-point columns) fit beside the landed half tile");
+
+// Row lane / 4 (of the warp's rh rows) gets this lane's four terms: columns
+// 2r, 2r + 1 (16-byte chunk r) and 8 + 2r, 9 + 2r (chunk 4 + r) of 16-column
+// group kFirstGroup + pass, r = lane % 4; odd rows swap their chunk halves,
+// so that each quarter warp's 16-byte stores cover 32 banks.
+__device__ __forceinline__ int staged_chunk(int row, int chunk) { return chunk ^ (4 * (row & 1)); }
 
 template <int kFirstGroup, class Acc>
-__device__ __forceinline__ void stage_fixed_rows(char* rows_out, const Acc& acc, const KeyRows& rows, int pass,
-                                                 const FixedTerms& fixed, int thread) {
-  const int lane = thread % 32;
+__device__ __forceinline__ void stage_fixed_warp_rows(char* staging, const Acc& acc, const KeyRows& rows, int pass,
+                                                      int rh, const FixedTerms& fixed, int lane) {
   const int g = kFirstGroup + pass;
+  const int row = lane / 4;
   CUTE_UNROLL
-  for (int rh = 0; rh < 2; ++rh) {
-    char* row = rows_out + acc_row(thread, rh) * kStagedRowBytes;
-    CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {  // columns 2r, 2r + 1, then 8 + 2r, 9 + 2r of the group
-      const float x0 = acc(8 * g + 4 * half + 2 * rh), x1 = acc(8 * g + 4 * half + 2 * rh + 1);
-      // An invalid slot's row is staged but never added: its terms are no terms (as unpaired).
-      if (rows.offset[rh] >= 0 && !(fabsf(x0) <= fixed.term_limit && fabsf(x1) <= fixed.term_limit))
-        flag_non_finite(fixed.flag);
-      *reinterpret_cast<longlong2*>(row + (8 * half + 2 * (lane % 4)) * sizeof(long long)) =
-          make_longlong2(to_fixed(x0, fixed.two_to_f), to_fixed(x1, fixed.two_to_f));
-    }
+  for (int half = 0; half < 2; ++half) {
+    const float x0 = acc(8 * g + 4 * half + 2 * rh), x1 = acc(8 * g + 4 * half + 2 * rh + 1);
+    // An invalid slot's row is staged but never added: its terms are no terms (as unpaired).
+    if (rows.offset[rh] >= 0 && !(fabsf(x0) <= fixed.term_limit && fabsf(x1) <= fixed.term_limit))
+      flag_non_finite(fixed.flag);
+    *reinterpret_cast<longlong2*>(staging + row * kStagedRowBytes + staged_chunk(row, 4 * half + lane % 4) * 16) =
+        make_longlong2(to_fixed(x0, fixed.two_to_f), to_fixed(x1, fixed.two_to_f));
   }
 }
 
-// One staged row (this thread's row rh, a valid key at `offset`) added into
-// the fixed-point sums by the copy engine.
+// The warp's staged rows added into the fixed-point sums: lanes 0-15 take
+// row 2k's 16 columns, lanes 16-31 row 2k + 1's; a row's key offset comes
+// from the first lane of the quad that holds it.
 template <int kRank>
-__device__ __forceinline__ void bulk_reduce_fixed_row(const SparseMlaBwdParams& p, const char* rows_out,
-                                                      int64_t offset, int tile, int pass, int thread, int rh) {
-  const int64_t at = offset + tile * kDimTile + kRank * bwd::kPairDimsPerRank + pass * 16;
-  const char* src = rows_out + acc_row(thread, rh) * kStagedRowBytes;
-  reduce_row_async(p.dkv_fixed + at, reinterpret_cast<const long long*>(src), kStagedRowBytes);
+__device__ __forceinline__ void reduce_fixed_warp_rows(const SparseMlaBwdParams& p, const char* staging,
+                                                       int64_t offset, int tile, int pass, int lane) {
+  const int col = lane % 16;
+  CUTE_UNROLL
+  for (int k = 0; k < kWarpStagedRows / 2; ++k) {
+    const int row = 2 * k + lane / 16;
+    const long long key = __shfl_sync(0xffffffffu, static_cast<long long>(offset), 4 * row);
+    const long long v = *reinterpret_cast<const long long*>(staging + row * kStagedRowBytes +
+                                                            staged_chunk(row, col / 2) * 16 + (col % 2) * 8);
+    if (key >= 0)
+      atomicAdd(reinterpret_cast<unsigned long long*>(p.dkv_fixed + key + tile * kDimTile +
+                                                      kRank * bwd::kPairDimsPerRank + pass * 16 + col),
+                static_cast<unsigned long long>(v));
+  }
 }
 
 // A landing given back: to the partner for its next half, or after the
@@ -367,9 +385,9 @@ enum MergeStep : int { kMergeProductDone, kMergeLandingFree, kMergeReceived, kMe
 // half of this warpgroup's partial goes into the partner's landing (st.async,
 // once the partner has freed it), as bf16; the partner's partial of this
 // rank's half is awaited, widened and added. Float32: the landing freed
-// first, then the vector atomics, whose issue can stall on L2; deterministic: the fixed-point sums
-// written back into the landing and bulk-reduced from there, the landing
-// freed once they are read. (Freed for the partner's next half, or, after
+// first, then the vector atomics, whose issue can stall on L2; deterministic: the fixed-point terms
+// staged warp by warp in the landing's upper half and reduced from there
+// (above), the landing freed once they are read. (Freed for the partner's next half, or, after
 // the block's last tile, for the gather of the next block.)
 // on_step(kMergeLandingFree) and on_step(kMergeReceived) follow its two
 // waits on the partner.
@@ -422,35 +440,20 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
     free_landing<Cfg>(plan, role, last_of_block, lane);
     reduce_dkv_tile<Cfg, kKeep, kGroups>(p, acc, rows, tile, fixed, lane);
   } else {
-    // The fixed-point terms go back into the landing, a 128-byte row of 16
-    // columns per key, in two passes, and the copy engine adds each row into
-    // the sums as one whole L2 line (64-bit atomics from registers made a
-    // request per row and instruction pair). The second pass is staged once
-    // the first's rows have been read; the landing is freed after the last.
-    char* rows_out = reinterpret_cast<char*>(plan.kv + (bwd::kLandingStage + w) * Cfg::Ring::kStageElems);
-    const bool issuer = lane % 4 == 0;  // each quad's first lane: its two rows (all 64 over the warpgroup)
+    char* staging = reinterpret_cast<char*>(plan.kv + (bwd::kLandingStage + w) * Cfg::Ring::kStageElems) +
+                    bwd::kHalfTileBytes + (thread % kWarpgroupThreads) / 32 * kWarpStagingBytes;
     CUTE_UNROLL
     for (int pass = 0; pass < 2; ++pass) {
-      if (pass > 0 && issuer) wait_reductions_read();
-      // The landed half (then the previous pass's rows) read by every thread and the copy engine.
-      NamedBarrier::sync(kWarpgroupThreads, bwd::kLandingSync + w);
-      stage_fixed_rows<kKeep / 2>(rows_out, acc, rows, pass, fixed, thread);
-      cutlass::arch::fence_view_async_shared();
-      NamedBarrier::sync(kWarpgroupThreads, bwd::kLandingSync + w);  // every row written
-      if (issuer) {
-        CUTE_UNROLL
-        for (int rh = 0; rh < 2; ++rh)
-          if (rows.offset[rh] >= 0) bulk_reduce_fixed_row<kRank>(p, rows_out, rows.offset[rh], tile, pass, thread, rh);
-        commit_reductions();
+      CUTE_UNROLL
+      for (int rh = 0; rh < 2; ++rh) {
+        __syncwarp();  // the rows staged before have been read
+        stage_fixed_warp_rows<kKeep / 2>(staging, acc, rows, pass, rh, fixed, lane);
+        __syncwarp();
+        reduce_fixed_warp_rows<kRank>(p, staging, rows.offset[rh], tile, pass, lane);
       }
     }
-    // The rows have left the landing. (Read completion is all the CTA needs
-    // before it frees the landing or exits: the bulk writes to global
-    // memory complete on their own and are visible after the kernel.)
-    if (issuer) wait_reductions_read();
-    // The relaxed free follows the write-back too: the barrier above (and
-    // the fence before it) order it before the bulk reads, and each issuing
-    // lane's read wait comes before its warp's arrival.
+    // Every lane's landing reads (the half's adds, the staged rows) come
+    // before the warp's relaxed free: the reductions consume the rows' loads.
     __syncwarp();
     free_landing<Cfg>(plan, role, last_of_block, lane);
   }
