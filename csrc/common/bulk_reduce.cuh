@@ -1,8 +1,8 @@
 // Bulk reductions from shared memory into global memory: the copy engine
 // adds a staged row (a multiple of 16 bytes, 16-byte aligned at both ends)
 // into global memory in whole L2 lines, tracked by the issuing thread's bulk
-// group. Shared by the indexer backward (d_index_k rows) and the sparse MLA
-// backward (a head-tile pair's merged fixed-point dKV rows).
+// group. Used by the indexer backward (its d_index_k rows, float32 and
+// fixed-point).
 #pragma once
 
 #include <cstdint>

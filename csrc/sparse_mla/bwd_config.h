@@ -31,12 +31,12 @@
 // them. (The exchange is bound by its bytes through the cluster's
 // shared-memory network: in float32 as many as the L2 reductions it saves.)
 // Both ranks' warps do the same work. Float32: the landing is freed as soon
-// as it is read, before the vector atomics from registers. Deterministic: the merged half's
-// fixed-point terms go back into the landing, a 128-byte row of 16 columns
-// per key in each of two passes, and each row is added into the sums by the
-// copy engine (cp.reduce.async.bulk: whole L2 lines); the landing is freed
-// once those reads are done. Either way it goes to the partner's next half,
-// or after the block's last tile to the gather.
+// as it is read, before the vector atomics from registers. Deterministic: each
+// warp stages its merged rows' fixed-point terms in its own kilobyte of the
+// landing's upper half, 8 rows of 16 columns at a time, and adds them by
+// 64-bit integer reductions, a warp instruction two rows' whole 128-byte
+// lines; the landing is freed once they are read. Either way it goes to the
+// partner's next half, or after the block's last tile to the gather.
 #pragma once
 
 #include <cstdint>
@@ -84,7 +84,7 @@ constexpr uint32_t kSendFreeArrivals = 8;
 // A half tile (64 x 32, as bf16 pairs) completes recv_full as st.async
 // transactions; the receiving warpgroup's thread 0 arms it (one arrival) with
 // the bytes expected. The landing is a whole ring stage: the deterministic
-// mode stages 64 rows of 128 bytes there afterwards.
+// mode stages its fixed-point rows in the half past the half tile.
 constexpr uint32_t kHalfTileBytes = 64 * kPairDimsPerRank * 2;
 constexpr uint32_t kLandingBytes = 64 * kPairDimsPerRank * sizeof(float);
 constexpr uint32_t kRecvFullArrivals = 1;
@@ -96,10 +96,10 @@ enum Barrier : uint32_t {
   kWg0DkvDone = 2,   // WG0's WGMMAs of the block no longer read P or dS
   kWg1DkvDone = 3,   // WG1's likewise
   kDsStored = 4,     // WG1 (alone): all its threads wrote dS
-  kLandingSync = 5,  // + w, warpgroup w alone: its landing read (then written back) by all its threads
+  kNumBarriers
 };
 // CUTLASS's NamedBarrier adds its 8 reserved ids; the hardware has 16.
-static_assert(kLandingSync + kNumConsumers - 1 + 8 < 16, "named barrier ids past the hardware's 16");
+static_assert(kNumBarriers + 8 <= 16, "named barrier ids past the hardware's 16");
 constexpr uint32_t kPairThreads = kNumConsumers * kWarpgroupThreads;
 
 }  // namespace bwd

@@ -11,7 +11,6 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
-#include "../common/bulk_reduce.cuh"
 #include "../common/cluster.cuh"
 #include "../common/cta.cuh"
 #include "../common/fixed_point.cuh"
