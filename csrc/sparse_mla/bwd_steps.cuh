@@ -451,8 +451,10 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
         reduce_fixed_warp_rows<kRank>(p, staging, rows.offset[rh], tile, pass, lane);
       }
     }
-    // Every lane's landing reads (the half's adds, the staged rows) come
-    // before the warp's relaxed free: the reductions consume the rows' loads.
+    // The relaxed free: the partner writes only the landing's lower half,
+    // whose loads feed the adds (fenced ahead of it, as in float32) and so
+    // the staged stores; the staged rows are this warp's alone; after the
+    // block's last tile the free is the ring's release arrival.
     __syncwarp();
     free_landing<Cfg>(plan, role, last_of_block, lane);
   }
