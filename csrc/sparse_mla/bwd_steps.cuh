@@ -430,11 +430,12 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
   }
   warpgroup_fence_operand(acc);
   if constexpr (!Cfg::kDeterministic) {
-    // The sums exist before the landing is freed. The relaxed arrival below
-    // does not order the landing's loads in the memory model; the fence keeps
-    // the adds that consume them ahead of it in the code, and in the compiled
-    // kernel every add (so every load) comes before the arrival (nvdisasm).
-    // A release arrival would also wait for the warp's earlier reductions.
+    // The relaxed arrival below does not order the landing's loads in the
+    // memory model, and ptxas may consume them after it (the D = 576
+    // rope-tile merges: loads issued, then the arrival, then the adds): the
+    // loads' issue order and the partner's round trip before it can write
+    // are what keep its next half out until they return (KERNELS.md). A
+    // release arrival would also wait for the warp's earlier reductions.
     __syncwarp();
     free_landing<Cfg>(plan, role, last_of_block, lane);
     reduce_dkv_tile<Cfg, kKeep, kGroups>(p, acc, rows, tile, fixed, lane);
