@@ -453,9 +453,9 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
       }
     }
     // The relaxed free: the partner writes only the landing's lower half,
-    // whose loads feed the adds (fenced ahead of it, as in float32) and so
-    // the staged stores; the staged rows are this warp's alone; after the
-    // block's last tile the free is the ring's release arrival.
+    // whose loads feed the adds and so the staged stores issued before it;
+    // the staged rows are this warp's alone; after the block's last tile the
+    // free is the ring's release arrival.
     __syncwarp();
     free_landing<Cfg>(plan, role, last_of_block, lane);
   }
