@@ -99,6 +99,7 @@ SPARSE_MLA_BWD_SHAPES = {
     "mla-bwd-v32-h128": ((4096, 8192, 128, 2048, 576, 512), False),
     "mla-bwd-v32-h64": ((4096, 8192, 64, 2048, 576, 512), False),
     "mla-bwd-det-v32-h128": ((4096, 8192, 128, 2048, 576, 512), True),
+    "mla-bwd-det-v32-h64": ((4096, 8192, 64, 2048, 576, 512), True),
 }
 #: The backward shapes with XLA rows (the plain forward's autodiff, and the jnp path's own backward).
 SPARSE_MLA_BWD_XLA_SHAPES = ("mla-bwd-v32-h128",)

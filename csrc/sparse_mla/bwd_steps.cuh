@@ -231,18 +231,29 @@ __device__ __forceinline__ void reduce_dkv_tile(const SparseMlaBwdParams& p, con
         red_add_f32x4(dst + accumulator_order_column(g, lane), group_vector(acc, g, rh));
     }
   } else {
+    // A quad's four lanes hold 16 columns of a row as pairs (2r, 2r + 1 of
+    // each 8-column group); each term goes to the lane that adds it so that
+    // a quad's instruction adds columns 4k .. 4k + 3: one whole 32-byte
+    // sector, where a pair's two atomics spread each over two sectors.
+    static_assert(kFirst % 2 == 0 && kCount % 2 == 0, "whole 16-column groups");
+    const int r = lane % 4;
     CUTE_UNROLL
-    for (int j = kFirst; j < kFirst + kCount; ++j) {
-      const float x[4] = {acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)};
+    for (int rh = 0; rh < 2; ++rh) {
+      const int64_t row_at = rows.offset[rh] + tile * kDimTile + r;  // used only for a valid key
       CUTE_UNROLL
-      for (int rh = 0; rh < 2; ++rh) {
-        if (rows.offset[rh] < 0) continue;
-        const int64_t at = rows.offset[rh] + tile * kDimTile + 8 * j + 2 * (lane % 4);
-        const float x0 = x[2 * rh], x1 = x[2 * rh + 1];
-        if (!(fabsf(x0) <= fixed.term_limit && fabsf(x1) <= fixed.term_limit)) flag_non_finite(fixed.flag);
-        auto* dst = reinterpret_cast<unsigned long long*>(p.dkv_fixed + at);
-        atomicAdd(dst, static_cast<unsigned long long>(to_fixed(x0, fixed.two_to_f)));
-        atomicAdd(dst + 1, static_cast<unsigned long long>(to_fixed(x1, fixed.two_to_f)));
+      for (int g = kFirst / 2; g < (kFirst + kCount) / 2; ++g) {
+        CUTE_UNROLL
+        for (int k = 0; k < 4; ++k) {  // column 16 g + 4 k + r: element r % 2 of lane 2 (k % 2) + r / 2's pair
+          const int j = 2 * g + k / 2;
+          const int from = (lane & ~3) | (2 * (k % 2) + r / 2);
+          const float lo = __shfl_sync(0xffffffffu, acc(4 * j + 2 * rh), from);
+          const float hi = __shfl_sync(0xffffffffu, acc(4 * j + 2 * rh + 1), from);
+          const float x = r % 2 ? hi : lo;
+          if (rows.offset[rh] < 0) continue;
+          if (!(fabsf(x) <= fixed.term_limit)) flag_non_finite(fixed.flag);
+          atomicAdd(reinterpret_cast<unsigned long long*>(p.dkv_fixed + row_at + 16 * g + 4 * k),
+                    static_cast<unsigned long long>(to_fixed(x, fixed.two_to_f)));
+        }
       }
     }
   }

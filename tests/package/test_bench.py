@@ -190,7 +190,8 @@ def test_backward_timing_keeps_the_forward():
 def test_sparse_mla_bwd_row_on_cpu():
     """The backward row's code on the jnp path: both modes run, the FLOPs are
     the five GEMMs', and the XLA row agrees with the timed path."""
-    assert list(bench.SPARSE_MLA_BWD_SHAPES) == ["mla-bwd-v32-h128", "mla-bwd-v32-h64", "mla-bwd-det-v32-h128"]
+    assert list(bench.SPARSE_MLA_BWD_SHAPES) == ["mla-bwd-v32-h128", "mla-bwd-v32-h64", "mla-bwd-det-v32-h128",
+                                                 "mla-bwd-det-v32-h64"]
     assert set(bench.SPARSE_MLA_BWD_SHAPES) <= set(bench.ALL)
     assert bench.sparse_mla_bwd_flops(4096, 128, 2048, 576, 512) == 2 * 4096 * 128 * 2048 * (3 * 576 + 2 * 512)
     for det in (False, True):
