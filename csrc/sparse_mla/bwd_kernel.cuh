@@ -182,7 +182,9 @@ __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& pl
 // ---------------------------------------------------------------------------
 // The kernel.
 // ---------------------------------------------------------------------------
-template <class Cfg>
+// One kernel per pairing: each keeps only its own dKV merge, so that neither
+// path's code shapes the other's registers and schedule.
+template <class Cfg, bool kPaired>
 __global__ void __launch_bounds__(bwd::kThreads, 1)
     sparse_mla_bwd_kernel(const __grid_constant__ SparseMlaBwdParams params, const __grid_constant__ BwdTmaParams tma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -207,7 +209,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   // A pair's CTAs arrive on each other's barriers: both must have set them up.
-  const bool paired = Cfg::paired_head_tiles(params.h_q);
+  constexpr bool paired = kPaired;
   if (paired) cute::cluster_sync();
   else __syncthreads();
 
@@ -262,10 +264,11 @@ LaunchStatus run_bwd_variant(const SparseMlaBwdParams& p, cudaStream_t stream, c
       s != LaunchStatus::kOk)
     return s;
   const timeline::Recorder timeline(stream);
-  const LaunchStatus status = launch_kernel_clustered(&sparse_mla_bwd_kernel<Cfg>,
-                                                      int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q),
-                                                      Cfg::paired_head_tiles(p.h_q) ? 2u : 1u, bwd::kThreads,
-                                                      Cfg::kSmemBytes, stream, detail, p, tma);
+  const bool paired = Cfg::paired_head_tiles(p.h_q);
+  const LaunchStatus status = launch_kernel_clustered(
+      paired ? &sparse_mla_bwd_kernel<Cfg, true> : &sparse_mla_bwd_kernel<Cfg, false>,
+      int64_t(p.batch) * p.s_q * Cfg::num_head_tiles(p.h_q), paired ? 2u : 1u, bwd::kThreads, Cfg::kSmemBytes,
+      stream, detail, p, tma);
   timeline.write(stream);
   return status;
 }
