@@ -196,11 +196,12 @@ def sparse_mla_all_invalid():
 
 def sparse_mla_bwd_checks():
     """The backward kernels in both modes: B 2, S 8, H 128 (two head tiles)
-    and H 65 (a partial one), both D, adversarial indices and rows with no
+    and H 65 (a partial one), both paired, and H 40 (one tile, the unpaired
+    kernel), both D, adversarial indices and rows with no
     valid slot, a first batch element whose first rows see no key, and a
     packed call with topk_length; gradients against the float64 oracle."""
     checks = []
-    for D, H, causal in ((576, 128, True), (512, 65, False)):
+    for D, H, causal in ((576, 128, True), (512, 65, False), (576, 40, True)):
         for det in (False, True):
             def case(D=D, H=H, causal=causal, det=det):
                 q, kv, idx, kw = sparse_mla_cases.make_sparse_mla_inputs(
