@@ -95,7 +95,7 @@ print(_ext.kernel_unavailable_reason())" || exit 1 ;;
                     topk-half-v32-h128 topk-full-v32-h128 pack-idx-v32 topk-half-idx-v32 \
                     topk-full-idx-v32 --json "$OUT/bench_packed.json" ;;
     bench-new) STEP_LIMIT=$BENCH_NEW_TIMEOUT run bench-new python3 benchmarks/bench.py --shapes mla-v32-h128 mla-v32-h64 mla-128k-h128 mla-bwd-v32-h128 \
-                 mla-bwd-v32-h64 mla-bwd-det-v32-h128 topk-v32 topk-v32-fp8 \
+                 mla-bwd-v32-h64 mla-bwd-det-v32-h128 mla-bwd-det-v32-h64 topk-v32 topk-v32-fp8 \
                  topk-32k topk-128k dsa-layer-v32 --json "$OUT/bench_new.json" ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
