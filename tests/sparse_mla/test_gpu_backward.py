@@ -59,6 +59,7 @@ def check_twice(make, deterministic=False, **packing):
 CASES = [  # (H, T, D, S, N)
     (1, 1, 576, 16, 300), (64, 63, 576, 16, 300), (65, 65, 512, 16, 300), (128, 2048, 576, 4, 4096),
     (200, 65, 576, 8, 300), (128, 63, 512, 16, 300), (64, 2048, 512, 4, 4096),
+    (150, 130, 576, 8, 300),  # three head tiles: the unpaired kernel, several CTAs a token
 ]
 
 

@@ -196,8 +196,8 @@ def sparse_mla_all_invalid():
 
 def sparse_mla_bwd_checks():
     """The backward kernels in both modes: B 2, S 8, H 128 (two head tiles)
-    and H 65 (a partial one), both paired, and H 40 (one tile, the unpaired
-    kernel), both D, adversarial indices and rows with no
+    and H 65 (a partial one), both paired, with D 576 and 512, and H 40
+    (one tile, the unpaired kernel) with D 576; adversarial indices and rows with no
     valid slot, a first batch element whose first rows see no key, and a
     packed call with topk_length; gradients against the float64 oracle."""
     checks = []
