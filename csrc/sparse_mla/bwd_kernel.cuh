@@ -79,9 +79,9 @@ static_assert(kScoresDkvTileDone + 4 <= timeline::kEvents && kGradsDkvTileDone +
 enum GatherMark : int { kStageFilled = 0 /* + dim tile: its stage freed and its copies issued */ };
 
 // WG0: scores and P; dQ over value tiles 0..3 and the rope tile; its dKV tiles.
-template <class Cfg>
+template <class Cfg, bool kPaired>
 __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
-                                               const CtaProblem& c, const FixedTerms& fixed, PairRole& role,
+                                               const CtaProblem& c, const FixedTerms& fixed, PairRole<kPaired>& role,
                                                int thread) {
   const int lane = thread % 32;
   Tensor accS = partition_fragment_C(typename Cfg::MmaScores{}, Shape<Int<Cfg::HT>, Int<kBlockTopk>>{});
@@ -132,9 +132,9 @@ __device__ __forceinline__ void consume_scores(typename Cfg::SharedMemoryPlan& p
 }
 
 // WG1: dP and dS; dQ over value tiles 4..7; its dKV tiles.
-template <class Cfg>
+template <class Cfg, bool kPaired>
 __device__ __forceinline__ void consume_grads(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
-                                              const CtaProblem& c, const FixedTerms& fixed, PairRole& role,
+                                              const CtaProblem& c, const FixedTerms& fixed, PairRole<kPaired>& role,
                                               int thread) {
   const int lane = thread % 32;
   Tensor accDp = partition_fragment_C(typename Cfg::MmaScores{}, Shape<Int<Cfg::HT>, Int<kBlockTopk>>{});
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       fixed.term_limit = __uint_as_float(bits);
       fixed.flag = params.flag_bits + cta.batch;
     }
-    PairRole role = pair_role(paired, warpgroup);
+    PairRole<kPaired> role = pair_role<kPaired>(warpgroup);
     if (warpgroup == 0) consume_scores<Cfg>(plan, params, cta, fixed, role, thread_in_wg);
     else consume_grads<Cfg>(plan, params, cta, fixed, role, thread_in_wg);
     timeline::mark_end(thread_in_wg == 0, warpgroup);
@@ -277,8 +277,8 @@ LaunchStatus run_bwd_variant(const SparseMlaBwdParams& p, cudaStream_t stream, c
 }  // namespace attn_dist
 
 // Explicit instantiation: CMake generates one file with this line per entry of
-// the op's variants.py (both modes of each), and nvcc compiles those files up
-// to four to a translation unit.
+// the op's variants.py (both modes of each, and each mode's two kernels, one
+// per pairing), and nvcc compiles those files up to four to a translation unit.
 #define SPARSE_MLA_BWD_INSTANTIATE(D, HT)                                                     \
   template attn_dist::LaunchStatus                                                          \
   attn_dist::sparse_mla::run_bwd_variant<attn_dist::sparse_mla::BwdConfig<D, HT, false>>(   \

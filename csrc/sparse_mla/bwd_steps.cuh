@@ -267,19 +267,22 @@ __device__ __forceinline__ void release_stages(typename Cfg::SharedMemoryPlan& p
 
 // A consumer warpgroup's part in its head-tile pair's dKV merge
 // (bwd_config.h). `send_phase` and `recv_phase` are the parities of its next
-// waits on send_free[warpgroup] and recv_full[warpgroup].
+// waits on send_free[warpgroup] and recv_full[warpgroup]. Whether there is
+// a pair is the kernel's template flag, so that every branch on it is
+// resolved at compile time and each kernel holds only its own merge.
+template <bool kPaired>
 struct PairRole {
-  bool paired = false;
+  static constexpr bool paired = kPaired;
   int warpgroup = 0;
   uint32_t rank = 0, partner = 0;  // this CTA's and the other CTA's ranks in the cluster
   uint32_t send_phase = 0, recv_phase = 0;
 };
 
-__device__ __forceinline__ PairRole pair_role(bool paired, int warpgroup) {
-  PairRole r;
-  r.paired = paired;
+template <bool kPaired>
+__device__ __forceinline__ PairRole<kPaired> pair_role(int warpgroup) {
+  PairRole<kPaired> r;
   r.warpgroup = warpgroup;
-  if (paired) {
+  if constexpr (kPaired) {
     r.rank = cute::block_rank_in_cluster();
     r.partner = r.rank ^ 1u;
   }
@@ -289,11 +292,11 @@ __device__ __forceinline__ PairRole pair_role(bool paired, int warpgroup) {
 // The value stages kDqTilesPerConsumer.. that a consumer releases once its
 // last reader there is done (WG0 after the scores, WG1 after dQ); in a pair,
 // all but its own landing, which it keeps until its merges of the block are done.
-template <class Cfg>
-__device__ __forceinline__ void release_dq_stages(typename Cfg::SharedMemoryPlan& plan, const PairRole& role,
-                                                  int lane) {
+template <class Cfg, bool kPaired>
+__device__ __forceinline__ void release_dq_stages(typename Cfg::SharedMemoryPlan& plan,
+                                                  const PairRole<kPaired>& role, int lane) {
   for (int stage = bwd::kDqTilesPerConsumer; stage < bwd::kValueTiles; ++stage)
-    if (!role.paired || stage != bwd::kLandingStage + role.warpgroup)
+    if (!kPaired || stage != bwd::kLandingStage + role.warpgroup)
       release_stage<typename Cfg::Ring>(plan.ring, 0, stage, lane);
 }
 
@@ -310,8 +313,9 @@ __device__ __forceinline__ uint4* landing_of_thread(typename Cfg::SharedMemoryPl
 // After the block's dQ (this warpgroup's WGMMAs read no key stage any more):
 // once both consumers have said so, the partner may send its first half tiles
 // of the block into this CTA's landings.
-__device__ __forceinline__ void landing_free_after_dq(uint64_t* send_free, const PairRole& role, int lane) {
-  if (!role.paired) return;
+template <bool kPaired>
+__device__ __forceinline__ void landing_free_after_dq(uint64_t* send_free, const PairRole<kPaired>& role, int lane) {
+  if constexpr (!kPaired) return;
   __syncwarp();
   if (lane == 0)
     for (int w = 0; w < bwd::kNumConsumers; ++w)
@@ -377,7 +381,7 @@ __device__ __forceinline__ void reduce_fixed_warp_rows(const SparseMlaBwdParams&
 // A landing given back: to the partner for its next half, or after the
 // block's last tile to the gather.
 template <class Cfg>
-__device__ __forceinline__ void free_landing(typename Cfg::SharedMemoryPlan& plan, const PairRole& role,
+__device__ __forceinline__ void free_landing(typename Cfg::SharedMemoryPlan& plan, const PairRole<true>& role,
                                              bool last_of_block, int lane) {
   const int w = role.warpgroup;
   if (!last_of_block) {
@@ -404,7 +408,7 @@ enum MergeStep : int { kMergeProductDone, kMergeLandingFree, kMergeReceived, kMe
 template <class Cfg, int kRank, class Acc, class OnStep>
 __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                                Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
-                                               PairRole& role, bool last_of_block, int thread, OnStep on_step) {
+                                               PairRole<true>& role, bool last_of_block, int thread, OnStep on_step) {
   constexpr int kGroups = bwd::kPairDimsPerRank / 8;
   constexpr int kKeep = kRank * kGroups, kSend = (1 - kRank) * kGroups;
   const int lane = thread % 32;
@@ -474,14 +478,17 @@ __device__ __forceinline__ void merge_dkv_tile(typename Cfg::SharedMemoryPlan& p
 
 // A waited dKV tile: reduced into the kv gradient alone, or merged with the
 // pair's other partial, each rank reducing half of its columns.
-template <class Cfg, class Acc, class OnStep = timeline::NoMark>
+template <class Cfg, class Acc, bool kPaired, class OnStep = timeline::NoMark>
 __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                                 Acc& acc, const KeyRows& rows, int tile, const FixedTerms& fixed,
-                                                PairRole& role, bool last_of_block, int thread,
+                                                PairRole<kPaired>& role, bool last_of_block, int thread,
                                                 OnStep on_step = {}) {
-  if (!role.paired) return reduce_dkv_tile<Cfg, 0, kDimTile / 8>(p, acc, rows, tile, fixed, thread % 32);
-  if (role.rank == 0) merge_dkv_tile<Cfg, 0>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread, on_step);
-  else merge_dkv_tile<Cfg, 1>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread, on_step);
+  if constexpr (!kPaired) {
+    reduce_dkv_tile<Cfg, 0, kDimTile / 8>(p, acc, rows, tile, fixed, thread % 32);
+  } else {
+    if (role.rank == 0) merge_dkv_tile<Cfg, 0>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread, on_step);
+    else merge_dkv_tile<Cfg, 1>(plan, p, acc, rows, tile, fixed, role, last_of_block, thread, on_step);
+  }
 }
 
 // This warpgroup's dKV tiles of the block: the rope tile (with_rope), then
@@ -491,11 +498,11 @@ __device__ __forceinline__ void finish_dkv_tile(typename Cfg::SharedMemoryPlan& 
 // completed (if another block follows). on_tile_done(i) follows the i-th
 // tile's merge, and on_first_value_step(MergeStep) the steps of the first
 // value tile's (the timeline build marks them).
-template <class Cfg, class OnTileDone = timeline::NoMark, class OnStep = timeline::NoMark>
+template <class Cfg, bool kPaired, class OnTileDone = timeline::NoMark, class OnStep = timeline::NoMark>
 __device__ __forceinline__ void dkv_tiles(typename Cfg::SharedMemoryPlan& plan, const SparseMlaBwdParams& p,
                                           const KeyRows& rows, bool with_rope, int first_value, int num_values,
                                           bool more_blocks, uint32_t done_barrier, const FixedTerms& fixed,
-                                          PairRole& role, int thread, OnTileDone on_tile_done = {},
+                                          PairRole<kPaired>& role, int thread, OnTileDone on_tile_done = {},
                                           OnStep on_first_value_step = {}) {
   Tensor acc = partition_fragment_C(typename Cfg::MmaDkv{}, Shape<Int<kBlockTopk>, Int<kDimTile>>{});
   if constexpr (Cfg::kRopeTiles > 0) {
