@@ -209,8 +209,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   // A pair's CTAs arrive on each other's barriers: both must have set them up.
-  constexpr bool paired = kPaired;
-  if (paired) cute::cluster_sync();
+  if constexpr (kPaired) cute::cluster_sync();
   else __syncthreads();
 
   if (warpgroup == bwd::kNumConsumers) {
@@ -242,7 +241,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     timeline::mark_end(thread_in_wg == 0, warpgroup);
   }
   // Neither CTA of a pair may exit while the other can still reach its shared memory.
-  if (paired) cute::cluster_sync();
+  if constexpr (kPaired) cute::cluster_sync();
 #elif defined(__CUDA_ARCH__)
   // Built for an architecture without WGMMA/setmaxnreg: fail loudly rather
   // than return gradients that were never written.

@@ -272,7 +272,6 @@ __device__ __forceinline__ void release_stages(typename Cfg::SharedMemoryPlan& p
 // resolved at compile time and each kernel holds only its own merge.
 template <bool kPaired>
 struct PairRole {
-  static constexpr bool paired = kPaired;
   int warpgroup = 0;
   uint32_t rank = 0, partner = 0;  // this CTA's and the other CTA's ranks in the cluster
   uint32_t send_phase = 0, recv_phase = 0;
